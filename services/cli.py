@@ -1,0 +1,182 @@
+"""`specd`: fetch the models, bring the services up on loopback, generate from a prompt."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.common import settings
+from services.protogen.specd.v1 import coordinator_pb2, coordinator_pb2_grpc
+
+PORTS = {"coordinator": 50051, "draft": 50052, "target": 50053}
+READY_TIMEOUT_S = 600.0
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="specd", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    models = commands.add_parser("models", help="manage the model pair").add_subparsers(dest="action", required=True)
+    fetch = models.add_parser("fetch", help="download, verify (sha256) and convert the real pair")
+    settings.add(fetch, "--models-dir", type=Path, help="where converted models live (default ~/.cache/specd/models)")
+    fetch.set_defaults(run=cmd_fetch)
+
+    up = commands.add_parser("up", help="start draft, target and coordinator on this machine and wait")
+    settings.add(up, "--models-dir", type=Path, help="where converted models live (default ~/.cache/specd/models)")
+    settings.add(up, "--host", default="127.0.0.1", help="address the services bind")
+    for role, port in PORTS.items():
+        settings.add(up, f"--{role}-port", type=int, default=port, help=f"{role} gRPC port")
+    settings.add(up, "--draft-threads", type=int, help="torch threads of the draft service")
+    settings.add(up, "--target-threads", type=int, help="torch threads of the target service")
+    settings.add(up, "--default-k", type=int, default=4, help="draft tokens per round")
+    up.set_defaults(run=cmd_up)
+
+    gen = commands.add_parser("generate", help="generate from a prompt through the coordinator")
+    gen.add_argument("prompt")
+    settings.add(gen, "--address", default=f"127.0.0.1:{PORTS['coordinator']}", help="coordinator host:port")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int)
+    gen.add_argument("-k", "--num-draft-tokens", type=int, help="draft tokens per round (default: server's)")
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--json", action="store_true", help="print text, token ids and stats as JSON")
+    gen.set_defaults(run=cmd_generate)
+
+    args = parser.parse_args(argv)
+    sys.exit(args.run(args))
+
+
+def cmd_fetch(args: argparse.Namespace) -> int:
+    from specd.models import fetch
+
+    fetch(args.models_dir)
+    return 0
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from specd.models import fetch
+
+    paths = fetch(args.models_dir)
+    addr = {role: f"{args.host}:{getattr(args, role + '_port')}" for role in PORTS}
+    commands = {
+        "draft": _model_service("draft", paths["draft"], args.host, args.draft_port, args.draft_threads),
+        "target": _model_service("target", paths["target"], args.host, args.target_port, args.target_threads),
+        "coordinator": [
+            *("-m", "services.coordinator", "--model-dir", str(paths["target"])),
+            *("--host", args.host, "--port", str(args.coordinator_port), "--default-k", str(args.default_k)),
+            *("--draft-addr", addr["draft"], "--target-addr", addr["target"]),
+        ],
+    }
+    procs = {role: subprocess.Popen([sys.executable, *cmd]) for role, cmd in commands.items()}
+    stopping = False
+
+    def stop(*_):
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    try:
+        _wait_ready(addr, procs)
+        print(f"specd is up: coordinator {addr['coordinator']} (draft {addr['draft']}, target {addr['target']})", flush=True)
+        while not stopping and all(p.poll() is None for p in procs.values()):
+            time.sleep(0.2)
+        failed = [role for role, p in procs.items() if p.poll() not in (None, 0)]
+        return 1 if failed and not stopping else 0
+    finally:
+        _stop_all(procs.values())
+
+
+def _model_service(role: str, model_dir: Path, host: str, port: int, threads: int | None) -> list[str]:
+    cmd = ["-m", f"services.{role}", "--model-dir", str(model_dir), "--host", host, "--port", str(port)]
+    return cmd + (["--threads", str(threads)] if threads else [])
+
+
+def _wait_ready(addr: dict[str, str], procs: dict[str, subprocess.Popen]) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    for role, address in addr.items():
+        with grpc.insecure_channel(address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while True:
+                if procs[role].poll() is not None:
+                    raise SystemExit(f"{role} service exited with code {procs[role].returncode}")
+                if time.monotonic() > deadline:
+                    raise SystemExit(f"{role} service not ready after {READY_TIMEOUT_S:.0f}s")
+                try:
+                    reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        break
+                except grpc.RpcError:
+                    time.sleep(0.5)
+
+
+def _stop_all(procs) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    request = coordinator_pb2.GenerateRequest(
+        text=args.prompt,
+        max_tokens=args.max_tokens,
+        stop=args.stop,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+    )
+    if args.seed is not None:
+        request.seed = args.seed
+    if args.num_draft_tokens is not None:
+        request.num_draft_tokens = args.num_draft_tokens
+    with grpc.insecure_channel(args.address) as channel:
+        stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+        try:
+            if args.json:
+                reply = stub.Complete(request)
+                print(json.dumps(_as_json(reply), indent=2))
+            else:
+                for chunk in stub.Generate(request):
+                    print(chunk.text, end="", flush=True)
+                print()
+        except grpc.RpcError as e:
+            print(f"specd: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 2
+    return 0
+
+
+def _as_json(reply: coordinator_pb2.CompleteResponse) -> dict:
+    s = reply.stats
+    return {
+        "text": reply.text,
+        "token_ids": list(reply.token_ids),
+        "finish_reason": reply.finish_reason,
+        "stats": {
+            "prompt_tokens": s.prompt_tokens,
+            "completion_tokens": s.completion_tokens,
+            "rounds": s.rounds,
+            "drafted_tokens": s.drafted_tokens,
+            "accepted_tokens": s.accepted_tokens,
+            "mean_acceptance_length": round(s.mean_acceptance_length, 4),
+            "accepted_per_position": list(s.accepted_per_position),
+        },
+    }
+
+
+if __name__ == "__main__":
+    main()

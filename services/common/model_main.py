@@ -1,0 +1,64 @@
+"""Entry point shared by the draft and target services: load an engine, serve it."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from pathlib import Path
+from typing import Callable
+
+from specd.engine import EngineConfig, ModelEngine
+from services.common import settings
+from services.common.model_service import ModelServicer
+from services.common.server import run_until_signalled, start_server
+
+log = logging.getLogger(__name__)
+
+
+def parse(role: str, default_port: int, argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog=f"python -m services.{role}", description=f"specd {role} model service")
+    settings.add(parser, "--model-dir", type=Path, help="HF model directory (see `specd models fetch`)")
+    settings.add(parser, "--host", default="127.0.0.1", help="address to bind")
+    settings.add(parser, "--port", type=int, default=default_port, help="gRPC port")
+    settings.add(parser, "--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
+    settings.add(parser, "--dtype", default="float32", help="float32 | float64 | bfloat16 | float16")
+    settings.add(parser, "--threads", type=int, help="torch threads (services on one host share cores)")
+    settings.add(parser, "--max-sessions", type=int, default=64, help="KV caches kept; idle ones are evicted LRU")
+    args = parser.parse_args(argv)
+    if args.model_dir is None:
+        parser.error("--model-dir (or SPECD_MODEL_DIR) is required")
+    return args
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model_dir=args.model_dir,
+        device=args.device,
+        dtype=args.dtype,
+        threads=args.threads,
+        max_sessions=args.max_sessions,
+    )
+
+
+def main(
+    role: str,
+    default_port: int,
+    servicer_cls: Callable[[ModelEngine, str], ModelServicer],
+    register: Callable,
+    argv: list[str] | None = None,
+) -> None:
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role} %(levelname)s %(message)s")
+    args = parse(role, default_port, argv)
+    engine = ModelEngine(engine_config(args))
+    servicer = servicer_cls(engine, role)
+
+    async def serve() -> None:
+        server, port = await start_server(register(servicer), f"{args.host}:{args.port}")
+        log.info("%s serving %s on %s:%d", role, args.model_dir, args.host, port)
+        await run_until_signalled(server)
+
+    try:
+        asyncio.run(serve())
+    finally:
+        servicer.close()

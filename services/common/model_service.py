@@ -1,0 +1,55 @@
+"""What the draft and target servicers share: an engine behind one worker thread, and the
+session RPCs (GetSession, Release)."""
+
+from __future__ import annotations
+
+from typing import Callable, TypeVar
+
+import grpc
+
+from specd.engine import ModelEngine
+from specd.loop import SyncPoint
+from services.common import convert
+from services.common.errors import grpc_errors
+from services.common.worker import EngineWorker
+from services.protogen.specd.v1 import common_pb2
+
+T = TypeVar("T")
+
+
+class ModelServicer:
+    def __init__(self, engine: ModelEngine, name: str):
+        self.engine = engine
+        self.worker = EngineWorker(name)
+
+    async def in_session(self, session_id: str, sync: SyncPoint, work: Callable[[int], T]) -> T:
+        """On the worker thread: bring the session to the committed tokens, then `work(position)`."""
+        def call() -> T:
+            return work(self.engine.sync(session_id, sync.start_pos, sync.tokens))
+
+        return await self.worker.run(call)
+
+    def info(self, session_id: str) -> common_pb2.SessionInfo:
+        return common_pb2.SessionInfo(
+            position=self.engine.position(session_id),
+            kv_length=self.engine.kv_length(session_id),
+            instance_id=self.engine.instance_id,
+        )
+
+    @grpc_errors
+    async def GetSession(self, request: common_pb2.SessionRef, context: grpc.aio.ServicerContext):
+        session_id = convert.session_id(request.session_id)
+        return await self.worker.run(self.info, session_id)
+
+    @grpc_errors
+    async def Release(self, request: common_pb2.SessionRef, context: grpc.aio.ServicerContext):
+        session_id = convert.session_id(request.session_id)
+
+        def release() -> common_pb2.SessionInfo:
+            self.engine.release(session_id)
+            return self.info(session_id)
+
+        return await self.worker.run(release)
+
+    def close(self) -> None:
+        self.worker.close()

@@ -1,0 +1,70 @@
+"""The target service's edge: protobuf <-> dataclasses, with request validation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specd.loop import SyncPoint, VerifyReply
+from specd.sampling import SamplingParams
+from specd.verify import Proposal
+from specd.verify import Verdict
+from services.common import convert as common
+from services.protogen.specd.v1 import target_pb2
+
+MAX_K = 32
+
+
+@dataclass(frozen=True)
+class VerifyCall:
+    session_id: str
+    sync: SyncPoint
+    proposal: Proposal
+    params: SamplingParams
+
+
+def verify_call(msg: target_pb2.VerifyRequest) -> VerifyCall:
+    if len(msg.draft_tokens) > MAX_K:
+        raise ValueError(f"at most {MAX_K} draft tokens per round")
+    return VerifyCall(
+        common.session_id(msg.session_id),
+        common.sync_from_proto(msg.sync),
+        Proposal(tuple(msg.draft_tokens), common.dists_from_proto(msg.q)),
+        common.params_from_proto(msg.sampling),
+    )
+
+
+def step_call(msg: target_pb2.StepRequest) -> VerifyCall:
+    return VerifyCall(
+        common.session_id(msg.session_id),
+        common.sync_from_proto(msg.sync),
+        Proposal((), ()),
+        common.params_from_proto(msg.sampling),
+    )
+
+
+def verify_request(
+    session_id: str, sync: SyncPoint, proposal: Proposal, params: SamplingParams
+) -> target_pb2.VerifyRequest:
+    return target_pb2.VerifyRequest(
+        session_id=session_id,
+        sync=common.sync_to_proto(sync),
+        draft_tokens=proposal.tokens,
+        q=common.dists_to_proto(proposal.q),
+        sampling=common.params_to_proto(params),
+    )
+
+
+def step_request(session_id: str, sync: SyncPoint, params: SamplingParams) -> target_pb2.StepRequest:
+    return target_pb2.StepRequest(
+        session_id=session_id, sync=common.sync_to_proto(sync), sampling=common.params_to_proto(params)
+    )
+
+
+def verify_response(verdict: Verdict, position: int, instance_id: str) -> target_pb2.VerifyResponse:
+    return target_pb2.VerifyResponse(
+        num_accepted=verdict.num_accepted, next_token=verdict.next_token, position=position, instance_id=instance_id
+    )
+
+
+def verify_reply(msg: target_pb2.VerifyResponse) -> VerifyReply:
+    return VerifyReply(Verdict(msg.num_accepted, msg.next_token), msg.position)

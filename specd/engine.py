@@ -1,0 +1,231 @@
+"""A Hugging Face causal LM holding one KV cache per session.
+
+A session is a token sequence plus a DynamicCache over a prefix of it. The tokens are the truth;
+the cache is a soft copy: rollback is position bookkeeping (crop the cache), and anything not yet
+in the cache is *pending* and is fed on the next forward.
+
+The cache never runs ahead of the tokens. A forward needs at least one token to feed (its last row is
+"next-token logits after the last known token", and logits are not stored), so when nothing is pending
+it re-feeds the last token. Keeping the KV of every fed token matters: after a fully accepted round the
+verified drafts' KV is reused, not recomputed.
+
+Not thread-safe: the serving layer calls an engine from one worker thread at a time, so there are no
+locks here.
+"""
+
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache
+
+DTYPES = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_dir: Path
+    device: str = "cpu"
+    dtype: str = "float32"  # a key of DTYPES
+    threads: int | None = None  # torch.set_num_threads when set: services on one host share cores
+    max_sessions: int = 64
+    idle_evict_s: float = 5.0  # a session idle this long may be evicted (LRU) to make room
+    max_context: int | None = None  # default: the model's max_position_embeddings
+
+
+class EngineError(Exception):
+    """Base class for engine errors a caller can act on."""
+
+
+class SessionsFull(EngineError):
+    """max_sessions are held and none has been idle long enough to evict."""
+
+
+class PositionMismatch(EngineError):
+    """The caller's idea of the session length is ahead of the engine's: re-sync from `position`."""
+
+    def __init__(self, message: str, position: int):
+        super().__init__(message)
+        self.position = position  # the session's actual length (0 for an unknown session)
+
+
+class ContextTooLong(EngineError):
+    """The session would exceed max_context tokens."""
+
+
+@dataclass
+class _Session:
+    cache: DynamicCache
+    tokens: list[int] = field(default_factory=list)
+    last_used: float = field(default_factory=time.monotonic)
+
+
+def _crop(cache: DynamicCache, length: int) -> None:
+    """Keep the first max(length, 0) cached tokens. A negative argument to crop means "remove that
+    many" in every transformers version (5.x rejects the positive, keep-this-many form of 4.x)."""
+    excess = cache.get_seq_length() - max(length, 0)
+    if excess > 0:
+        cache.crop(-excess)
+
+
+class ModelEngine:
+    def __init__(self, config: EngineConfig):
+        if config.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {config.dtype!r}")
+        if config.threads is not None:
+            torch.set_num_threads(config.threads)
+        self.config = config
+        model = AutoModelForCausalLM.from_pretrained(config.model_dir, dtype=DTYPES[config.dtype])
+        self.model = model.to(config.device).eval()
+        self.vocab_size: int = model.config.vocab_size
+        self.eos_token_ids: frozenset[int] = frozenset(_eos_ids(model))
+        self.max_context: int = config.max_context or model.config.max_position_embeddings
+        self.instance_id = uuid.uuid4().hex  # lets clients notice a restarted engine (all caches lost)
+        self.evictions = 0
+        self._sessions: OrderedDict[str, _Session] = OrderedDict()  # least recently used first
+
+    # -- queries ------------------------------------------------------------------------------
+
+    def position(self, session_id: str) -> int:
+        session = self._sessions.get(session_id)
+        return len(session.tokens) if session else 0
+
+    def kv_length(self, session_id: str) -> int:
+        session = self._sessions.get(session_id)
+        return session.cache.get_seq_length() if session else 0
+
+    def tokens(self, session_id: str) -> tuple[int, ...]:
+        session = self._sessions.get(session_id)
+        return tuple(session.tokens) if session else ()
+
+    def session_count(self) -> int:
+        return len(self._sessions)
+
+    # -- updates ------------------------------------------------------------------------------
+
+    def sync(self, session_id: str, start_pos: int, tokens: Sequence[int]) -> int:
+        """Make the session's tokens known[:start_pos] + tokens; return the new length.
+
+        KV is kept for the longest prefix the old and new sequences share, so re-sending tokens the
+        engine already has costs nothing.
+        """
+        known = self.tokens(session_id)
+        if not 0 <= start_pos <= len(known):
+            raise PositionMismatch(
+                f"session {session_id!r} has {len(known)} tokens; cannot sync from position {start_pos}",
+                position=len(known),
+            )
+        self._check_tokens(tokens)
+        self._check_context(start_pos + len(tokens))
+        session = self._touch(session_id, create=True)
+        common = start_pos + _common_prefix(known[start_pos:], tokens)
+        session.tokens[common:] = tokens[common - start_pos :]
+        _crop(session.cache, common)
+        return len(session.tokens)
+
+    @torch.inference_mode()
+    def forward(self, session_id: str, extra: Sequence[int] = ()) -> torch.Tensor:
+        """Feed the pending tokens then `extra` in one model call; append `extra` to the session.
+
+        Returns float32 CPU logits [len(extra) + 1, vocab]: row i is the next-token distribution
+        after tokens[:n + i], where n is the session length before the call.
+        """
+        session = self._sessions.get(session_id)
+        if session is None or not session.tokens:
+            raise PositionMismatch(f"session {session_id!r} has no tokens; sync a prompt first", position=0)
+        self._check_tokens(extra)
+        self._check_context(len(session.tokens) + len(extra))
+        session = self._touch(session_id)
+        _crop(session.cache, len(session.tokens) - 1)  # nothing pending: re-feed the last token
+        kv = session.cache.get_seq_length()
+        new = session.tokens[kv:] + list(extra)  # [>= 1 + len(extra)]
+        input_ids = torch.tensor([new], dtype=torch.long, device=self.config.device)  # [1, len(new)]
+        try:
+            out = self.model(
+                input_ids=input_ids,
+                past_key_values=session.cache,
+                use_cache=True,
+                logits_to_keep=len(extra) + 1,  # skip the vocab projection for rows nobody reads
+            )
+        except BaseException:
+            # An interrupted call may have extended some layers' caches but not others; the
+            # tokens are the truth, so start the cache over rather than guess which layers grew.
+            session.cache = DynamicCache(config=self.model.config)
+            raise
+        session.tokens.extend(extra)
+        return out.logits[0].float().cpu()  # [len(extra) + 1, vocab]
+
+    def truncate(self, session_id: str, pos: int) -> None:
+        """Drop tokens from `pos` on. Idempotent; pos >= length (or an unknown session) is a no-op."""
+        if pos < 0:
+            raise ValueError(f"truncate position must be >= 0, got {pos}")
+        session = self._sessions.get(session_id)
+        if session is None or pos >= len(session.tokens):
+            return
+        del session.tokens[pos:]
+        _crop(session.cache, pos)
+
+    def release(self, session_id: str) -> None:
+        self._sessions.pop(session_id, None)
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    def _touch(self, session_id: str, create: bool = False) -> _Session:
+        """Return the session marked most recently used, creating it (maybe evicting) if asked."""
+        session = self._sessions.get(session_id)
+        if session is None and create:
+            self._make_room()
+            session = self._sessions[session_id] = _Session(cache=DynamicCache(config=self.model.config))
+        self._sessions.move_to_end(session_id)
+        session.last_used = time.monotonic()
+        return session
+
+    def _make_room(self) -> None:
+        if len(self._sessions) < self.config.max_sessions:
+            return
+        lru_id, lru = next(iter(self._sessions.items()))
+        idle = time.monotonic() - lru.last_used
+        if idle < self.config.idle_evict_s:
+            raise SessionsFull(
+                f"engine holds max_sessions={self.config.max_sessions} sessions and none has been idle "
+                f"for {self.config.idle_evict_s}s; release finished sessions, retry later, "
+                "or raise max_sessions"
+            )
+        del self._sessions[lru_id]
+        self.evictions += 1
+
+    def _check_context(self, length: int) -> None:
+        if length > self.max_context:
+            raise ContextTooLong(f"{length} tokens exceed max_context={self.max_context}")
+
+    def _check_tokens(self, tokens: Sequence[int]) -> None:
+        bad = [t for t in tokens if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token ids must be in [0, {self.vocab_size}); got {bad[:5]}")
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _eos_ids(model) -> set[int]:
+    """EOS ids from the generation config and the model config (either may be an int or a list)."""
+    ids: set[int] = set()
+    for eos in (model.generation_config.eos_token_id, model.config.eos_token_id):
+        if eos is not None:
+            ids.update([eos] if isinstance(eos, int) else eos)
+    return ids

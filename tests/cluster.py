@@ -1,0 +1,76 @@
+"""Real gRPC servers on loopback for integration tests.
+
+Draft, target and coordinator servers run in one background thread's event loop (the
+same servicers `python -m services.*` runs), each on a free 127.0.0.1 port; tests talk
+to them with ordinary gRPC clients, and may inspect the engines directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+
+import grpc
+
+from specd.engine import EngineConfig, ModelEngine
+from services.common.server import start_server
+from services.coordinator import server as coordinator_server
+from services.coordinator.convert import Limits
+from services.coordinator.model_info import load_model_info
+from services.draft import server as draft_server
+from services.draft.client import GrpcDrafter
+from services.protogen.specd.v1 import coordinator_pb2_grpc
+from services.target import server as target_server
+from services.target.client import GrpcVerifier
+
+
+class Cluster:
+    def __init__(self, draft_dir: Path, target_dir: Path, dtype: str = "float64", limits: Limits = Limits()):
+        self.draft_engine = ModelEngine(EngineConfig(draft_dir, dtype=dtype))
+        self.target_engine = ModelEngine(EngineConfig(target_dir, dtype=dtype))
+        self.model = load_model_info(target_dir)
+        self.limits = limits
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.ports: dict[str, int] = self._run(self._start())
+
+    def _run(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=120)
+
+    async def _start(self) -> dict[str, int]:
+        self.draft = draft_server.DraftServicer(self.draft_engine, "draft")
+        self.target = target_server.TargetServicer(self.target_engine, "target")
+        self.servers = []
+        ports = {}
+        for role, register in (("draft", draft_server.register(self.draft)), ("target", target_server.register(self.target))):
+            server, ports[role] = await start_server(register, "127.0.0.1:0")
+            self.servers.append(server)
+        self.channels = [grpc.aio.insecure_channel(f"127.0.0.1:{ports[r]}") for r in ("draft", "target")]
+        self.coordinator_servicer = coordinator_server.CoordinatorServicer(
+            GrpcDrafter(self.channels[0]), GrpcVerifier(self.channels[1]), self.model, self.limits
+        )
+        register = coordinator_server.register(self.coordinator_servicer)
+        server, ports["coordinator"] = await start_server(register, "127.0.0.1:0")
+        self.servers.append(server)
+        return ports
+
+    def address(self, role: str) -> str:
+        return f"127.0.0.1:{self.ports[role]}"
+
+    def coordinator(self, channel: grpc.Channel) -> coordinator_pb2_grpc.CoordinatorStub:
+        return coordinator_pb2_grpc.CoordinatorStub(channel)
+
+    def close(self) -> None:
+        async def stop():
+            for server in self.servers:
+                await server.stop(1.0)
+            for channel in self.channels:
+                await channel.close()
+
+        self._run(stop())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+        self.draft.close()
+        self.target.close()

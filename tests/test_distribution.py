@@ -1,0 +1,87 @@
+"""Sampling is lossless on real (tiny) models: the tokens that speculative decoding emits
+follow the target's warped distribution, at the first and the second generated position.
+
+Runs the services' own model-side functions (`propose`, `verify_proposal`) on two engines,
+over many seeds, and compares with the exact distributions computed from the target alone
+with a chi-square test. The negative case swaps the residual for p and must fail.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specd import verify as verify_mod
+from specd.engine import EngineConfig, ModelEngine
+from specd.sampling import SamplingParams, warp
+from specd.speculation import propose, verify_proposal
+
+PARAMS = dict(temperature=1.0, top_k=6, top_p=1.0)
+N_SAMPLES = 2500
+K = 3
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_pair):
+    draft_dir, target_dir = tiny_pair
+    return ModelEngine(EngineConfig(draft_dir)), ModelEngine(EngineConfig(target_dir))
+
+
+PROMPT = [72, 101, 108, 108, 111]
+
+
+def exact_marginals(target: ModelEngine) -> tuple[torch.Tensor, torch.Tensor]:
+    """p(x1) and p(x2) = sum_t p(t) p(x2 | t) from the target alone."""
+    params = SamplingParams(**PARAMS, seed=0)
+    target.sync("exact", 0, PROMPT)
+    first = warp(target.forward("exact")[-1:], params)[0].double()  # [vocab]
+    second = torch.zeros_like(first)
+    for t in first.nonzero().flatten().tolist():
+        target.sync("exact", len(PROMPT), [t])
+        second += first[t] * warp(target.forward("exact")[-1:], params)[0].double()
+    target.release("exact")
+    return first, second
+
+
+def speculative_first_two(draft: ModelEngine, target: ModelEngine, seed: int) -> list[int]:
+    params = SamplingParams(**PARAMS, seed=seed)
+    committed = list(PROMPT)
+    draft.sync("s", 0, committed)
+    target.sync("s", 0, committed)
+    while len(committed) < len(PROMPT) + 2:
+        n = len(committed)
+        proposal = propose(draft, "s", K, params)
+        verdict = verify_proposal(target, "s", proposal, params)
+        committed += list(proposal.tokens[: verdict.num_accepted]) + [verdict.next_token]
+        draft.sync("s", n + verdict.num_accepted, [verdict.next_token])
+    draft.release("s")
+    target.release("s")
+    return committed[len(PROMPT) : len(PROMPT) + 2]
+
+
+def chi_square_p_value(samples: list[int], expected: torch.Tensor) -> float:
+    support = expected > 1e-9
+    counts = torch.bincount(torch.tensor(samples), minlength=expected.numel()).double()
+    assert counts[~support].sum() == 0, "a token outside the target's support was emitted"
+    e = expected[support] * len(samples)
+    statistic = float(((counts[support] - e) ** 2 / e).sum())
+    df = int(support.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(statistic / 2)))
+
+
+def p_values(engines) -> tuple[float, float]:
+    draft, target = engines
+    first, second = exact_marginals(target)
+    runs = [speculative_first_two(draft, target, seed) for seed in range(N_SAMPLES)]
+    return chi_square_p_value([r[0] for r in runs], first), chi_square_p_value([r[1] for r in runs], second)
+
+
+def test_first_and_second_tokens_follow_the_target_distribution(engines):
+    p_first, p_second = p_values(engines)
+    assert p_first > 1e-3 and p_second > 1e-3, (p_first, p_second)
+
+
+def test_the_test_catches_resampling_from_p_after_a_rejection(engines, monkeypatch):
+    monkeypatch.setattr(verify_mod, "residual", lambda p, q: p.double())
+    p_first, p_second = p_values(engines)
+    assert min(p_first, p_second) < 1e-6, (p_first, p_second)

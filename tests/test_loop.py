@@ -1,0 +1,102 @@
+"""The coordinator loop against scripted fakes: identity with the target alone, rollback
+bookkeeping, stop conditions, recovery from a lost session, and call counts."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from specd.loop import Chunk, Finished, GenerationRequest, RoundRecord, generate
+from specd.sampling import SamplingParams
+from specd.stopping import StopRules
+from tests.fakes import FakeDrafter, FakeVerifier, draft_rule, target_alone, target_rule
+
+PROMPT = (3, 1, 4, 1, 5)
+
+
+def decode(ids) -> str:
+    return "".join(chr(ord("a") + t % 26) for t in ids)
+
+
+def run(request: GenerationRequest, drafter, verifier, on_round=None) -> list:
+    async def collect():
+        return [e async for e in generate(request, "s1", drafter, verifier, decode, on_round)]
+
+    return asyncio.run(collect())
+
+
+def request(max_tokens=20, k=4, stop=(), eos=frozenset(), prompt=PROMPT) -> GenerationRequest:
+    return GenerationRequest(prompt, StopRules(max_tokens, tuple(stop), eos), SamplingParams(), k)
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+@pytest.mark.parametrize("agreement_every", [2, 3, 100])
+def test_output_is_the_target_alone(k, agreement_every):
+    drafter, verifier = FakeDrafter(draft_rule(agreement_every)), FakeVerifier(target_rule)
+    events = run(request(max_tokens=37, k=k), drafter, verifier)
+    done = events[-1]
+    assert isinstance(done, Finished) and done.finish_reason == "length"
+    assert list(done.token_ids) == target_alone(PROMPT, 37)
+    streamed = [t for e in events if isinstance(e, Chunk) for t in e.token_ids]
+    assert streamed == list(done.token_ids)
+    assert "".join(e.text for e in events if isinstance(e, Chunk)) == decode(done.token_ids) == done.text
+
+
+def test_rollback_bookkeeping_every_round():
+    records: list[RoundRecord] = []
+    drafter, verifier = FakeDrafter(draft_rule(3)), FakeVerifier(target_rule)
+    done = run(request(max_tokens=30, k=4), drafter, verifier, records.append)[-1]
+    committed = len(PROMPT)
+    for r in records:
+        # the draft synced to exactly the committed length before drafting; the target ends on the new one
+        assert r.draft_position in (committed, None)
+        committed += r.num_accepted + 1
+        assert r.target_position == r.committed_length == committed
+    assert any(r.num_accepted < r.k for r in records) and any(r.num_accepted == r.k for r in records)
+    assert done.stats.rounds == len(records) == verifier.calls
+    assert drafter.calls == sum(r.k > 0 for r in records)
+    assert done.stats.accepted == sum(r.num_accepted for r in records)
+    assert done.stats.mean_acceptance_length == pytest.approx(30 / len(records))
+    assert verifier.released == drafter.released == ["s1"]
+
+
+def test_last_token_needs_no_draft_and_max_tokens_is_exact():
+    drafter, verifier = FakeDrafter(draft_rule(100)), FakeVerifier(target_rule)
+    done = run(request(max_tokens=1, k=4), drafter, verifier)[-1]
+    assert drafter.calls == 0 and verifier.calls == 1
+    assert list(done.token_ids) == target_alone(PROMPT, 1)
+
+
+def test_eos_ends_generation_where_the_target_alone_would():
+    full = target_alone(PROMPT, 40)
+    eos = full[17]
+    expected = full[: full.index(eos) + 1]
+    done = run(request(max_tokens=40, k=8, eos=frozenset({eos})), FakeDrafter(draft_rule(100)), FakeVerifier(target_rule))[-1]
+    assert done.finish_reason == "stop" and list(done.token_ids) == expected
+
+
+def test_stop_string_cuts_text_and_tokens_where_the_target_alone_would():
+    full = target_alone(PROMPT, 40)
+    text = decode(full)
+    stop = text[12:15]
+    cut = text.index(stop)
+    events = run(request(max_tokens=40, k=8, stop=[stop]), FakeDrafter(draft_rule(100)), FakeVerifier(target_rule))
+    done = events[-1]
+    assert done.finish_reason == "stop"
+    assert done.text == text[:cut]
+    assert list(done.token_ids) == full[: cut + len(stop)]  # one character per token in this decode
+    assert "".join(e.text for e in events if isinstance(e, Chunk)) == text[:cut]
+
+
+@pytest.mark.parametrize("who", ["draft", "target"])
+def test_a_service_that_lost_the_session_is_resynced(who):
+    drafter, verifier = FakeDrafter(draft_rule(3)), FakeVerifier(target_rule)
+    victim = drafter if who == "draft" else verifier
+
+    def forget_sometimes(record: RoundRecord) -> None:
+        if record.committed_length % 3 == 0:
+            victim.forget()
+
+    done = run(request(max_tokens=40, k=3), drafter, verifier, forget_sometimes)[-1]
+    assert list(done.token_ids) == target_alone(PROMPT, 40)

@@ -1,0 +1,222 @@
+"""Draft, target and coordinator as real gRPC servers on loopback, with tiny Qwen2 models.
+
+The tiny models run in float64 so that scoring K+1 tokens in one forward pass and one at a
+time agree to the last bit: any difference from the target alone is then an algorithm
+bug, not rounding. (The real pair runs in float32: tests/test_real_pair.py.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import grpc
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from specd.loop import GenerationRequest, RoundRecord, generate
+from specd.sampling import SamplingParams
+from specd.stopping import StopRules
+from services.draft.client import GrpcDrafter
+from services.protogen.specd.v1 import common_pb2, coordinator_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+from services.target.client import GrpcVerifier
+from tests.cluster import Cluster
+
+PROMPTS = ["def add(a, b):", "Once upon a time", "The quick brown fox jumps", "x = [1, 2, 3]\nfor"]
+N_TOKENS = 24
+
+
+@pytest.fixture(scope="module", params=[0, 1], ids=lambda s: f"pair{s}")
+def cluster(request, tmp_path_factory):
+    from specd.tiny import build_tiny_pair
+
+    draft_dir, target_dir = build_tiny_pair(tmp_path_factory.mktemp(f"tiny{request.param}"), seed=request.param)
+    c = Cluster(draft_dir, target_dir)
+    c.target_dir = target_dir
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def reference(cluster):
+    """Greedy continuations by the target alone: HF `generate`, no EOS stop, float64."""
+    model = AutoModelForCausalLM.from_pretrained(cluster.target_dir, dtype=torch.float64)
+    model.generation_config.eos_token_id = None
+
+    def continuation(prompt_ids: list[int], n: int) -> list[int]:
+        ids = torch.tensor([prompt_ids])
+        out = model.generate(ids, max_new_tokens=n, do_sample=False, pad_token_id=0)
+        return out[0, len(prompt_ids) :].tolist()
+
+    return continuation
+
+
+@pytest.fixture
+def stub(cluster):
+    with grpc.insecure_channel(cluster.address("coordinator")) as channel:
+        yield cluster.coordinator(channel)
+
+
+def complete(stub, prompt: str, **fields) -> coordinator_pb2.CompleteResponse:
+    return stub.Complete(coordinator_pb2.GenerateRequest(text=prompt, **fields), timeout=60)
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+def test_greedy_output_is_token_identical_to_the_target_alone(stub, cluster, reference, k):
+    for prompt in PROMPTS:
+        expected = reference(cluster.model.encode(prompt), N_TOKENS)
+        reply = complete(stub, prompt, max_tokens=N_TOKENS, num_draft_tokens=k, ignore_eos=True)
+        assert list(reply.token_ids) == expected, prompt
+        assert reply.text == cluster.model.decode(expected)
+        assert reply.finish_reason == "length"
+        s = reply.stats
+        assert s.completion_tokens == N_TOKENS and s.rounds >= N_TOKENS / (k + 1)
+        assert s.mean_acceptance_length == pytest.approx(N_TOKENS / s.rounds)
+        assert sum(s.accepted_per_position) == s.accepted_tokens <= s.drafted_tokens
+
+
+def test_streamed_chunks_add_up_to_the_completion(stub):
+    request = coordinator_pb2.GenerateRequest(text=PROMPTS[0], max_tokens=N_TOKENS, num_draft_tokens=3, ignore_eos=True)
+    chunks = list(stub.Generate(request, timeout=60))
+    whole = stub.Complete(request, timeout=60)
+    assert [t for c in chunks for t in c.token_ids] == list(whole.token_ids)
+    assert "".join(c.text for c in chunks) == whole.text
+    assert chunks[-1].finish_reason == "length" and chunks[-1].stats.completion_tokens == N_TOKENS
+    assert len(chunks) > 2  # tokens arrive round by round, not at the end
+
+
+def test_both_caches_follow_the_committed_length_every_round(cluster, reference):
+    """Drive the loop with the real gRPC clients and inspect both engines after each round."""
+    prompt = tuple(cluster.model.encode(PROMPTS[1]))
+    committed = list(prompt)
+    records: list[RoundRecord] = []
+    session = "inspect-me"
+
+    def check(record: RoundRecord) -> None:
+        n = len(committed)
+        committed.extend(reference(list(prompt), record.committed_length - len(prompt))[n - len(prompt) :])
+        target, draft = cluster.target_engine, cluster.draft_engine
+        assert record.target_position == record.committed_length == len(committed)
+        assert target.position(session) == len(committed) and list(target.tokens(session)) == committed
+        assert target.kv_length(session) == len(committed) - 1  # the newest token is fed next round
+        if record.draft_position is not None:
+            assert record.draft_position == n  # the draft synced to exactly the committed length
+            valid = n + record.num_accepted
+            assert list(draft.tokens(session))[:valid] == committed[:valid]
+            assert draft.kv_length(session) <= n + record.k
+        records.append(record)
+
+    async def run():
+        async with grpc.aio.insecure_channel(cluster.address("draft")) as d, grpc.aio.insecure_channel(
+            cluster.address("target")
+        ) as t:
+            request = GenerationRequest(prompt, StopRules(30, ignore_eos=True), SamplingParams(), k=4)
+            return [e async for e in generate(request, session, GrpcDrafter(d), GrpcVerifier(t), cluster.model.decode, check)]
+
+    events = asyncio.run(run())
+    assert list(events[-1].token_ids) == committed[len(prompt) :]
+    assert any(r.num_accepted < r.k for r in records), "the tiny pair should reject sometimes"
+    assert any(r.num_accepted == r.k for r in records), "and accept everything sometimes"
+    assert cluster.target_engine.position(session) == cluster.draft_engine.position(session) == 0  # released
+
+
+def test_max_tokens_eos_and_stop_strings_end_where_the_target_alone_would(stub, cluster, reference):
+    prompt_ids = cluster.model.encode(PROMPTS[2])
+    full = reference(prompt_ids, 40)
+    # max_tokens
+    assert list(complete(stub, PROMPTS[2], max_tokens=7, ignore_eos=True).token_ids) == full[:7]
+    # a stop string taken from the target's own text, spanning several tokens
+    text = cluster.model.decode(full)
+    stop = text[15:18]
+    cut = text.index(stop)
+    reply = complete(stub, PROMPTS[2], max_tokens=40, stop=[stop], ignore_eos=True, num_draft_tokens=8)
+    assert reply.finish_reason == "stop" and reply.text == text[:cut]
+    assert cluster.model.decode(reply.token_ids).startswith(text[: cut + len(stop)])
+    assert cluster.model.decode(reply.token_ids[:-1]) != text[: cut + len(stop)]  # ends on the completing token
+    assert list(reply.token_ids) == full[: len(reply.token_ids)]
+    # EOS: pretend a token the target emits at position 20 is an end-of-sequence token
+    eos = full[20]
+    servicer = cluster.coordinator_servicer
+    original = servicer.model
+    servicer.model = dataclasses.replace(original, eos_token_ids=frozenset({eos}))
+    try:
+        reply = complete(stub, PROMPTS[2], max_tokens=40, num_draft_tokens=8)
+    finally:
+        servicer.model = original
+    assert reply.finish_reason == "stop" and list(reply.token_ids) == full[: full.index(eos) + 1]
+
+
+def test_sampling_is_reproducible_by_seed(stub):
+    a, b, c = (
+        complete(stub, PROMPTS[0], max_tokens=16, temperature=1.0, top_p=0.9, seed=s, ignore_eos=True).token_ids
+        for s in (11, 11, 12)
+    )
+    assert list(a) == list(b) and list(a) != list(c)
+
+
+BAD_REQUESTS = {
+    "no prompt": dict(),
+    "empty text": dict(text=""),
+    "empty token ids": dict(token_ids=coordinator_pb2.TokenIds(ids=[])),
+    "token id out of vocabulary": dict(token_ids=coordinator_pb2.TokenIds(ids=[1, 10**6])),
+    "negative token id": dict(token_ids=coordinator_pb2.TokenIds(ids=[-1])),
+    "K = 0": dict(text="hi", num_draft_tokens=0),
+    "K too large": dict(text="hi", num_draft_tokens=1000),
+    "max_tokens = 0": dict(text="hi", max_tokens=0),
+    "max_tokens < 0": dict(text="hi", max_tokens=-3),
+    "max_tokens beyond the context": dict(text="hi", max_tokens=10**6),
+    "negative temperature": dict(text="hi", temperature=-1.0),
+    "top_p = 0": dict(text="hi", top_p=0.0),
+    "top_p > 1": dict(text="hi", top_p=1.5),
+    "negative top_k": dict(text="hi", top_k=-2),
+    "empty stop string": dict(text="hi", stop=[""]),
+    "too many stop strings": dict(text="hi", stop=[str(i) for i in range(50)]),
+    "NaN temperature": dict(text="hi", temperature=float("nan")),
+}
+
+
+@pytest.mark.parametrize("fields", BAD_REQUESTS.values(), ids=BAD_REQUESTS.keys())
+def test_bad_requests_get_invalid_argument_and_the_server_keeps_serving(stub, fields):
+    for method in (stub.Complete, lambda r, timeout: list(stub.Generate(r, timeout=timeout))):
+        with pytest.raises(grpc.RpcError) as error:
+            method(coordinator_pb2.GenerateRequest(**fields), timeout=10)
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert error.value.details()
+    assert complete(stub, "still here", max_tokens=2).finish_reason in ("length", "stop")
+
+
+def test_model_services_reject_bad_requests_with_invalid_argument(cluster):
+    sampled = common_pb2.SamplingParams(temperature=1.0, top_p=1.0, seed=1)
+    with grpc.insecure_channel(cluster.address("draft")) as d, grpc.insecure_channel(cluster.address("target")) as t:
+        draft, target = draft_pb2_grpc.DraftServiceStub(d), target_pb2_grpc.TargetServiceStub(t)
+        sync = common_pb2.SyncPoint(start_pos=0, tokens=[1, 2, 3])
+        bad_calls = [
+            lambda: draft.Propose(draft_pb2.ProposeRequest(session_id="s", sync=sync, k=0)),
+            lambda: draft.Propose(draft_pb2.ProposeRequest(session_id="", sync=sync, k=2)),
+            lambda: draft.Propose(draft_pb2.ProposeRequest(session_id="s", sync=common_pb2.SyncPoint(tokens=[10**6]), k=2)),
+            lambda: draft.Propose(draft_pb2.ProposeRequest(session_id="s", sync=sync, k=2, sampling=common_pb2.SamplingParams(top_p=2))),
+            # a sampled verification without the draft distributions it needs
+            lambda: target.Verify(target_pb2.VerifyRequest(session_id="s", sync=sync, draft_tokens=[4, 5], sampling=sampled)),
+            # a draft token with zero probability under its own q
+            lambda: target.Verify(
+                target_pb2.VerifyRequest(
+                    session_id="s",
+                    sync=sync,
+                    draft_tokens=[4],
+                    q=[common_pb2.SparseDist(token_ids=(5).to_bytes(4, "little"), probs=b"\x00\x3c")],
+                    sampling=sampled,
+                )
+            ),
+        ]
+        for call in bad_calls:
+            with pytest.raises(grpc.RpcError) as error:
+                call()
+            assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT, error.value.details()
+        # a prefix the service does not hold is FAILED_PRECONDITION, saying what it holds
+        with pytest.raises(grpc.RpcError) as error:
+            target.Step(target_pb2.StepRequest(session_id="fresh", sync=common_pb2.SyncPoint(start_pos=5, tokens=[1])))
+        assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert ("specd-position", "0") in error.value.trailing_metadata()
+        ok = draft.Propose(draft_pb2.ProposeRequest(session_id="s2", sync=sync, k=2))
+        assert len(ok.tokens) == 2 and ok.position == 3
