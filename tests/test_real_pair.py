@@ -49,7 +49,7 @@ def reference(target_dir) -> dict[str, list[int]]:
         out = {}
         for prompt in PROMPTS:
             ids = torch.tensor([tokenizer.encode(prompt)])
-            generated = model.generate(ids, max_new_tokens=N_TOKENS, do_sample=False)
+            generated = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=N_TOKENS, do_sample=False)
             out[prompt] = generated[0, ids.shape[1] :].tolist()
         return out
     finally:

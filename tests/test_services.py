@@ -1,4 +1,5 @@
-"""Draft, target and coordinator as real gRPC servers on loopback, with tiny Qwen2 models.
+"""Draft, target and coordinator as real gRPC servers on loopback, with tiny Qwen2 models
+(three seeded pairs).
 
 The tiny models run in float64 so that scoring K+1 tokens in one forward pass and one at a
 time agree to the last bit: any difference from the target alone is then an algorithm
@@ -23,11 +24,11 @@ from services.protogen.specd.v1 import common_pb2, coordinator_pb2, draft_pb2, d
 from services.target.client import GrpcVerifier
 from tests.cluster import Cluster
 
-PROMPTS = ["def add(a, b):", "Once upon a time", "The quick brown fox jumps", "x = [1, 2, 3]\nfor"]
+PROMPTS = ["def add(a, b):", "Once upon a time", "The quick brown fox jumps", "x = [1, 2, 3]\nfor", "Hej! Ça va?"]
 N_TOKENS = 24
 
 
-@pytest.fixture(scope="module", params=[0, 1], ids=lambda s: f"pair{s}")
+@pytest.fixture(scope="module", params=[0, 1, 2], ids=lambda s: f"pair{s}")
 def cluster(request, tmp_path_factory):
     from specd.tiny import build_tiny_pair
 
@@ -46,7 +47,8 @@ def reference(cluster):
 
     def continuation(prompt_ids: list[int], n: int) -> list[int]:
         ids = torch.tensor([prompt_ids])
-        out = model.generate(ids, max_new_tokens=n, do_sample=False, pad_token_id=0)
+        # An explicit mask: otherwise generate treats prompt tokens equal to pad_token_id as padding.
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, pad_token_id=0)
         return out[0, len(prompt_ids) :].tolist()
 
     return continuation
@@ -220,3 +222,32 @@ def test_model_services_reject_bad_requests_with_invalid_argument(cluster):
         assert ("specd-position", "0") in error.value.trailing_metadata()
         ok = draft.Propose(draft_pb2.ProposeRequest(session_id="s2", sync=sync, k=2))
         assert len(ok.tokens) == 2 and ok.position == 3
+
+
+def test_a_full_engine_answers_resource_exhausted_and_recovers_after_release(tiny_pair):
+    from services.common.server import start_server
+    from services.draft.server import DraftServicer, register
+    from specd.engine import EngineConfig, ModelEngine
+
+    engine = ModelEngine(EngineConfig(tiny_pair[0], max_sessions=1, idle_evict_s=3600))
+    servicer = DraftServicer(engine, "draft")
+
+    async def scenario():
+        server, port = await start_server(register(servicer), "127.0.0.1:0")
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = draft_pb2_grpc.DraftServiceStub(channel)
+                sync = common_pb2.SyncPoint(tokens=[1, 2, 3])
+                await stub.Propose(draft_pb2.ProposeRequest(session_id="a", sync=sync, k=2))
+                with pytest.raises(grpc.aio.AioRpcError) as error:
+                    await stub.Propose(draft_pb2.ProposeRequest(session_id="b", sync=sync, k=2))
+                assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert "max_sessions=1" in error.value.details()
+                await stub.Release(common_pb2.SessionRef(session_id="a"))
+                reply = await stub.Propose(draft_pb2.ProposeRequest(session_id="b", sync=sync, k=2))
+                assert len(reply.tokens) == 2
+        finally:
+            await server.stop(0)
+
+    asyncio.run(scenario())
+    servicer.close()
