@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import signal
 import subprocess
@@ -14,6 +15,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common import settings
+from services.common.redis_server import LocalRedis
 from services.protogen.specd.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 PORTS = {"coordinator": 50051, "draft": 50052, "target": 50053}
@@ -37,6 +39,7 @@ def main(argv: list[str] | None = None) -> None:
     settings.add(up, "--draft-threads", type=int, help="torch threads of the draft service")
     settings.add(up, "--target-threads", type=int, help="torch threads of the target service")
     settings.add(up, "--default-k", type=int, default=4, help="draft tokens per round")
+    settings.add(up, "--redis-url", help="session store; default: start a local redis-server")
     up.set_defaults(run=cmd_up)
 
     gen = commands.add_parser("generate", help="generate from a prompt through the coordinator")
@@ -67,6 +70,12 @@ def cmd_up(args: argparse.Namespace) -> int:
     from specd.models import fetch
 
     paths = fetch(args.models_dir)
+    with contextlib.ExitStack() as stack:
+        redis_url = args.redis_url or stack.enter_context(LocalRedis(appendonly=True)).url
+        return _run_services(args, paths, redis_url)
+
+
+def _run_services(args: argparse.Namespace, paths: dict[str, Path], redis_url: str) -> int:
     addr = {role: f"{args.host}:{getattr(args, role + '_port')}" for role in PORTS}
     commands = {
         "draft": _model_service("draft", paths["draft"], args.host, args.draft_port, args.draft_threads),
@@ -74,7 +83,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         "coordinator": [
             *("-m", "services.coordinator", "--model-dir", str(paths["target"])),
             *("--host", args.host, "--port", str(args.coordinator_port), "--default-k", str(args.default_k)),
-            *("--draft-addr", addr["draft"], "--target-addr", addr["target"]),
+            *("--draft-addr", addr["draft"], "--target-addr", addr["target"], "--redis-url", redis_url),
         ],
     }
     procs = {role: subprocess.Popen([sys.executable, *cmd]) for role, cmd in commands.items()}
@@ -88,7 +97,11 @@ def cmd_up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, stop)
     try:
         _wait_ready(addr, procs)
-        print(f"specd is up: coordinator {addr['coordinator']} (draft {addr['draft']}, target {addr['target']})", flush=True)
+        print(
+            f"specd is up: coordinator {addr['coordinator']} (draft {addr['draft']}, target {addr['target']}, "
+            f"sessions in {redis_url})",
+            flush=True,
+        )
         while not stopping and all(p.poll() is None for p in procs.values()):
             time.sleep(0.2)
         failed = [role for role, p in procs.items() if p.poll() not in (None, 0)]

@@ -1,21 +1,25 @@
 """The coordinator's speculative decoding loop, free of any transport.
 
-It talks to a `Drafter` and a `Verifier` (gRPC clients in production, scripted fakes in
-unit tests). Each service keeps a soft copy of the session (its KV cache); the committed
-tokens held here are the truth. A service is told what changed since the position it is
-known to hold (`SyncPoint`), and is resent everything when it no longer has that prefix.
+It talks to a `Drafter`, a `Verifier` (gRPC clients in production, scripted fakes in unit
+tests) and a `SessionStore` (Redis). The committed tokens in the store are the truth; each
+service's KV cache is a soft copy. A service is told what changed since the position it is
+known to hold (`SyncPoint`), and is resent everything when it no longer has that prefix
+(restart, eviction, another replica). A round is a pure function of the committed tokens
+and the seed, so a round that failed half-way is simply run again.
 """
 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass, replace
 from typing import AsyncIterator, Awaitable, Callable, Protocol, Sequence, TypeVar
 
+from specd.policy import PolicyConfig, PolicyState, RoundObservation, next_k, observe
 from specd.sampling import SamplingParams
-from specd.verify import Proposal
+from specd.session import ServiceCursor, SessionState, SessionStats, SessionStore
 from specd.stopping import Decode, StopChecker, StopRules
-from specd.verify import Verdict
+from specd.verify import Proposal, Verdict
 
 EMPTY_PROPOSAL = Proposal((), ())
 T = TypeVar("T")
@@ -27,18 +31,23 @@ class SyncPoint:
 
     start_pos: int
     tokens: tuple[int, ...]
+    instance_id: str = ""  # the engine instance believed to hold the prefix; "" when start_pos = 0
 
 
 @dataclass(frozen=True)
 class DraftReply:
     proposal: Proposal
     position: int  # committed length the draft synced to before drafting
+    instance_id: str = ""
+    compute_s: float = 0.0
 
 
 @dataclass(frozen=True)
 class VerifyReply:
     verdict: Verdict
     position: int  # the target's committed length after this round
+    instance_id: str = ""
+    compute_s: float = 0.0
 
 
 class StaleSession(Exception):
@@ -65,32 +74,11 @@ class Verifier(Protocol):
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    prompt: tuple[int, ...]
+    prompt: tuple[int, ...]  # appended to the session's committed tokens
     rules: StopRules
     params: SamplingParams
-    k: int  # most draft tokens per round; 0 = plain target decoding
-
-
-@dataclass
-class Stats:
-    rounds: int = 0  # target calls
-    drafted: int = 0
-    accepted: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)  # [k_max]
-
-    @property
-    def mean_acceptance_length(self) -> float:
-        """Tokens committed per target call; includes the recovered/bonus token (as vLLM counts)."""
-        return (self.accepted + self.rounds) / self.rounds if self.rounds else 0.0
-
-    def record(self, k: int, num_accepted: int) -> None:
-        self.rounds += 1
-        self.drafted += k
-        self.accepted += num_accepted
-        grow = k - len(self.accepted_per_position)
-        self.accepted_per_position.extend([0] * max(0, grow))
-        for i in range(num_accepted):
-            self.accepted_per_position[i] += 1
+    policy: PolicyConfig = PolicyConfig()  # adaptive K and fallback, within the server's and request's bounds
+    fixed_k: int | None = None  # pinned by the request: no adaptation, no fallback; 0 = plain decoding
 
 
 @dataclass(frozen=True)
@@ -100,6 +88,7 @@ class RoundRecord:
     committed_length: int
     draft_position: int | None  # None when the round drafted nothing
     target_position: int
+    mode: str
 
 
 @dataclass(frozen=True)
@@ -113,84 +102,174 @@ class Finished:
     finish_reason: str
     token_ids: tuple[int, ...]
     text: str
-    stats: Stats
+    stats: SessionStats
+    session: SessionState
 
 
 @dataclass
 class _Cursor:
-    """How much of the committed sequence a service is known to hold."""
+    """How much of the committed sequence a service is known to hold, and in which instance."""
 
     position: int = 0
+    instance_id: str = ""
+    resyncs: int = 0  # times the service had lost the prefix and got everything resent
 
     def sync(self, committed: Sequence[int]) -> SyncPoint:
-        return SyncPoint(self.position, tuple(committed[self.position :]))
+        return SyncPoint(self.position, tuple(committed[self.position :]), self.instance_id)
+
+    @classmethod
+    def of(cls, cursor: ServiceCursor) -> "_Cursor":
+        return cls(cursor.position, cursor.instance_id)
+
+    def frozen(self) -> ServiceCursor:
+        return ServiceCursor(self.position, self.instance_id)
+
+
+@dataclass(frozen=True)
+class Services:
+    drafter: Drafter
+    verifier: Verifier
+    store: SessionStore
 
 
 async def generate(
     request: GenerationRequest,
     session_id: str,
-    drafter: Drafter,
-    verifier: Verifier,
+    services: Services,
     decode: Decode,
+    ephemeral: bool = True,
     on_round: Callable[[RoundRecord], None] | None = None,
 ) -> AsyncIterator[Chunk | Finished]:
-    committed = list(request.prompt)
-    draft, target = _Cursor(), _Cursor()
+    """Run one request on a session. An ephemeral session is forgotten everywhere afterwards."""
+    lease, state = await services.store.begin(session_id, create=True)
+    committed = [*state.tokens, *request.prompt]
+    stored = len(state.tokens)
+    draft, target = _Cursor.of(state.draft), _Cursor.of(state.target)
     checker = StopChecker(request.rules, decode)
-    stats = Stats()
+    stats = SessionStats()
+    state = replace(state, requests=state.requests + 1)
     try:
         while True:
             n = len(committed)
             remaining = request.rules.max_tokens - len(checker.token_ids)
-            k = min(request.k, remaining - 1)  # a round commits at most k + 1 tokens
+            k = min(_choose_k(request, state.policy), remaining - 1)  # a round commits at most k + 1 tokens
+            resyncs = draft.resyncs + target.resyncs
             # 1. draft
-            drafted = None
+            drafting = None
             if k > 0:
-                drafted = await _synced(
-                    draft, committed, lambda sync: drafter.propose(session_id, sync, k, request.params)
+                drafting = await _call(
+                    draft, committed, lambda s: services.drafter.propose(session_id, s, k, request.params)
                 )
+            drafted: DraftReply | None = drafting and drafting.reply
             proposal = drafted.proposal if drafted else EMPTY_PROPOSAL
             # 2. verify
-            verified = await _synced(
-                target, committed, lambda sync: verifier.verify(session_id, sync, proposal, request.params)
+            verifying = await _call(
+                target, committed, lambda s: services.verifier.verify(session_id, s, proposal, request.params)
             )
+            verified: VerifyReply = verifying.reply
             a = verified.verdict.num_accepted
-            # 3. commit
-            new_tokens = proposal.tokens[:a] + (verified.verdict.next_token,)
-            committed.extend(new_tokens)
-            # 4. rollback: pure bookkeeping, the draft's valid prefix ends after the accepted drafts
+            # 3. commit what the stop rules let through
+            emitted, text = _apply_stop_rules(checker, proposal.tokens[:a] + (verified.verdict.next_token,))
+            committed.extend(emitted)
+            # 4. rollback: pure bookkeeping; the draft's valid prefix ends after the accepted drafts
             if drafted:
-                draft.position = n + a
-            target.position = len(committed)
-            stats.record(len(proposal.tokens), a)
+                draft.position, draft.instance_id = min(n + a, len(committed)), drafted.instance_id
+            target.position, target.instance_id = min(verified.position, len(committed)), verified.instance_id
+            # 5. learn: acceptance and timings feed the K / fallback policy
+            policy = state.policy
+            if request.fixed_k is None:
+                policy = observe(policy, _observation(k, a, drafting, verifying), request.policy)
+            round_stats = SessionStats().record(
+                k, a, policy.fallbacks - state.policy.fallbacks, draft.resyncs + target.resyncs - resyncs
+            )
+            stats += round_stats
+            state = replace(
+                state,
+                tokens=tuple(committed),
+                draft=draft.frozen(),
+                target=target.frozen(),
+                policy=policy,
+                stats=state.stats + round_stats,
+            )
+            # 6. persist (fenced: fails if another coordinator took the session over), then emit
+            await services.store.save(lease, state, appended_from=stored)
+            stored = len(committed)
             if on_round:
-                on_round(RoundRecord(k, a, len(committed), drafted and drafted.position, verified.position))
-            # 5. emit, applying stop conditions token by token
-            emitted, text = [], ""
-            for token in new_tokens:
-                emitted.append(token)
-                text += checker.push(token)
-                if checker.finish_reason:
-                    break
+                on_round(RoundRecord(k, a, len(committed), drafted and drafted.position, verified.position, policy.mode))
             if emitted:
-                yield Chunk(tuple(emitted), text)
+                yield Chunk(emitted, text)
             if checker.finish_reason:
-                yield Finished(checker.finish_reason, tuple(checker.token_ids), checker.text, stats)
+                yield Finished(checker.finish_reason, tuple(checker.token_ids), checker.text, stats, state)
                 return
     finally:
-        await _release_quietly(session_id, drafter, verifier)
+        if ephemeral:
+            await _forget(session_id, services)
 
 
-async def _synced(cursor: _Cursor, committed: Sequence[int], call: Callable[[SyncPoint], Awaitable[T]]) -> T:
+def _choose_k(request: GenerationRequest, policy: PolicyState) -> int:
+    return request.fixed_k if request.fixed_k is not None else next_k(policy, request.policy)
+
+
+def _apply_stop_rules(checker: StopChecker, tokens: Sequence[int]) -> tuple[tuple[int, ...], str]:
+    """Push tokens one by one; the ones after a stop condition are never committed."""
+    emitted, text = [], ""
+    for token in tokens:
+        emitted.append(token)
+        text += checker.push(token)
+        if checker.finish_reason:
+            break
+    return tuple(emitted), text
+
+
+@dataclass(frozen=True)
+class _Called:
+    reply: DraftReply | VerifyReply
+    wall_s: float
+    sent: int  # committed tokens the service had to catch up on before this round's work
+
+    @property
+    def cold(self) -> bool:
+        """More than the round's own tokens (a new prompt, a resend): its timing is a prefill, not a step."""
+        return self.sent > 2
+
+    @property
+    def overhead_s(self) -> float:
+        return max(0.0, self.wall_s - self.reply.compute_s)
+
+
+def _observation(k: int, accepted: int, drafting: _Called | None, verifying: _Called) -> RoundObservation:
+    calls = [verifying] + ([drafting] if drafting else [])
+    return RoundObservation(
+        k=k,
+        accepted=accepted,
+        draft_s=drafting.reply.compute_s if drafting else 0.0,
+        verify_s=verifying.reply.compute_s,
+        rtt_s=sum(c.overhead_s for c in calls) / len(calls),
+        draft_cold=bool(drafting and drafting.cold),
+        target_cold=verifying.cold,
+    )
+
+
+async def _call(cursor: _Cursor, committed: Sequence[int], call: Callable[[SyncPoint], Awaitable[T]]) -> _Called:
     """Call a service with the tokens it lacks; if it lost the session, resend everything."""
+    start = time.perf_counter()
+    sync = cursor.sync(committed)
     try:
-        return await call(cursor.sync(committed))
+        reply = await call(sync)
     except StaleSession:
-        cursor.position = 0
-        return await call(cursor.sync(committed))
+        cursor.position, cursor.instance_id = 0, ""
+        cursor.resyncs += 1
+        sync = cursor.sync(committed)
+        reply = await call(sync)
+    return _Called(reply, time.perf_counter() - start, len(sync.tokens))
 
 
-async def _release_quietly(session_id: str, *services: Drafter | Verifier) -> None:
-    """Free both caches. Best effort: an unreleased session is evicted once idle, and a
-    failure here must not mask the request's own outcome."""
-    await asyncio.gather(*(s.release(session_id) for s in services), return_exceptions=True)
+async def _forget(session_id: str, services: Services) -> None:
+    """Free both caches and the stored session. Best effort: an unreleased cache is evicted
+    once idle and a stored session expires, and a failure here must not mask the outcome."""
+    await asyncio.gather(
+        services.drafter.release(session_id),
+        services.verifier.release(session_id),
+        services.store.delete(session_id),
+        return_exceptions=True,
+    )

@@ -13,11 +13,13 @@ from pathlib import Path
 
 import grpc
 
+from specd.loop import Services
 from specd.engine import EngineConfig, ModelEngine
 from services.common.server import start_server
 from services.coordinator import server as coordinator_server
 from services.coordinator.convert import Limits
 from services.coordinator.model_info import load_model_info
+from services.coordinator.store import RedisSessionStore
 from services.draft import server as draft_server
 from services.draft.client import GrpcDrafter
 from services.protogen.specd.v1 import coordinator_pb2_grpc
@@ -26,7 +28,10 @@ from services.target.client import GrpcVerifier
 
 
 class Cluster:
-    def __init__(self, draft_dir: Path, target_dir: Path, dtype: str = "float64", limits: Limits = Limits()):
+    def __init__(
+        self, draft_dir: Path, target_dir: Path, redis_url: str, dtype: str = "float64", limits: Limits = Limits()
+    ):
+        self.redis_url = redis_url
         self.draft_engine = ModelEngine(EngineConfig(draft_dir, dtype=dtype))
         self.target_engine = ModelEngine(EngineConfig(target_dir, dtype=dtype))
         self.model = load_model_info(target_dir)
@@ -47,10 +52,12 @@ class Cluster:
         for role, register in (("draft", draft_server.register(self.draft)), ("target", target_server.register(self.target))):
             server, ports[role] = await start_server(register, "127.0.0.1:0")
             self.servers.append(server)
-        self.channels = [grpc.aio.insecure_channel(f"127.0.0.1:{ports[r]}") for r in ("draft", "target")]
-        self.coordinator_servicer = coordinator_server.CoordinatorServicer(
-            GrpcDrafter(self.channels[0]), GrpcVerifier(self.channels[1]), self.model, self.limits
+        self.services = Services(
+            GrpcDrafter([f"127.0.0.1:{ports['draft']}"]),
+            GrpcVerifier([f"127.0.0.1:{ports['target']}"]),
+            RedisSessionStore(self.redis_url),
         )
+        self.coordinator_servicer = coordinator_server.CoordinatorServicer(self.services, self.model, self.limits)
         register = coordinator_server.register(self.coordinator_servicer)
         server, ports["coordinator"] = await start_server(register, "127.0.0.1:0")
         self.servers.append(server)
@@ -66,8 +73,9 @@ class Cluster:
         async def stop():
             for server in self.servers:
                 await server.stop(1.0)
-            for channel in self.channels:
-                await channel.close()
+            await self.services.drafter.replicas.close()
+            await self.services.verifier.replicas.close()
+            await self.services.store.close()
 
         self._run(stop())
         self.loop.call_soon_threadsafe(self.loop.stop)

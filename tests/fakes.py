@@ -12,8 +12,8 @@ from typing import Callable, Sequence
 
 from specd.loop import DraftReply, StaleSession, SyncPoint, VerifyReply
 from specd.sampling import SamplingParams
-from specd.verify import Proposal
-from specd.verify import Verdict
+from specd.session import Fenced, Lease, SessionNotFound, SessionState
+from specd.verify import Proposal, Verdict
 
 NextToken = Callable[[Sequence[int]], int]
 VOCAB = 50
@@ -46,19 +46,22 @@ class FakeService:
     sessions: dict[str, list[int]] = field(default_factory=dict)
     calls: int = 0
     released: list[str] = field(default_factory=list)
+    instance_id: str = "fake-1"
+    compute_s: float = 0.01  # reported model time per call
 
     def _sync(self, session_id: str, sync: SyncPoint) -> list[int]:
         self.calls += 1
         held = self.sessions.get(session_id, [])
-        if sync.start_pos > len(held):
+        if sync.start_pos > len(held) or (sync.start_pos and sync.instance_id != self.instance_id):
             raise StaleSession(len(held))
         tokens = held[: sync.start_pos] + list(sync.tokens)
         self.sessions[session_id] = tokens
         return tokens
 
     def forget(self) -> None:
-        """Lose every session, as a restarted service would."""
+        """Lose every session, as a restarted service would (a new process, a new instance id)."""
         self.sessions.clear()
+        self.instance_id += "'"
 
     async def release(self, session_id: str) -> None:
         self.sessions.pop(session_id, None)
@@ -71,7 +74,7 @@ class FakeDrafter(FakeService):
         position = len(tokens)
         for _ in range(k):
             tokens.append(self.rule(tokens))
-        return DraftReply(Proposal(tuple(tokens[position:]), ()), position)
+        return DraftReply(Proposal(tuple(tokens[position:]), ()), position, self.instance_id, self.compute_s * k)
 
 
 class FakeVerifier(FakeService):
@@ -84,4 +87,34 @@ class FakeVerifier(FakeService):
             tokens.append(drafted)
             accepted += 1
         tokens.append(self.rule(tokens))
-        return VerifyReply(Verdict(accepted, tokens[-1]), len(tokens))
+        return VerifyReply(Verdict(accepted, tokens[-1]), len(tokens), self.instance_id, self.compute_s)
+
+
+@dataclass
+class FakeStore:
+    """In-memory SessionStore with the same epoch fencing as the Redis one (unit tests only)."""
+
+    sessions: dict[str, tuple[int, SessionState]] = field(default_factory=dict)
+    saves: int = 0
+
+    async def begin(self, session_id: str, create: bool) -> tuple[Lease, SessionState]:
+        if session_id not in self.sessions and not create:
+            raise SessionNotFound(session_id)
+        epoch, state = self.sessions.get(session_id, (0, SessionState(session_id)))
+        self.sessions[session_id] = (epoch + 1, state)
+        return Lease(session_id, epoch + 1), state
+
+    async def save(self, lease: Lease, state: SessionState, appended_from: int) -> None:
+        epoch, stored = self.sessions[lease.session_id]
+        if epoch != lease.epoch:
+            raise Fenced(lease.session_id)
+        assert len(stored.tokens) == appended_from and state.tokens[:appended_from] == stored.tokens
+        self.sessions[lease.session_id] = (epoch, state)
+        self.saves += 1
+
+    async def delete(self, session_id: str) -> bool:
+        return self.sessions.pop(session_id, None) is not None
+
+    async def get(self, session_id: str) -> SessionState | None:
+        entry = self.sessions.get(session_id)
+        return entry and entry[1]

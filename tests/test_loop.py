@@ -1,5 +1,6 @@
 """The coordinator loop against scripted fakes: identity with the target alone, rollback
-bookkeeping, stop conditions, recovery from a lost session, and call counts."""
+bookkeeping, stop conditions, recovery from a lost session, sessions across turns,
+fencing, fallback, and call counts."""
 
 from __future__ import annotations
 
@@ -7,10 +8,11 @@ import asyncio
 
 import pytest
 
-from specd.loop import Chunk, Finished, GenerationRequest, RoundRecord, generate
+from specd.loop import Chunk, Finished, GenerationRequest, RoundRecord, Services, generate
 from specd.sampling import SamplingParams
+from specd.session import Fenced
 from specd.stopping import StopRules
-from tests.fakes import FakeDrafter, FakeVerifier, draft_rule, target_alone, target_rule
+from tests.fakes import FakeDrafter, FakeStore, FakeVerifier, draft_rule, target_alone, target_rule
 
 PROMPT = (3, 1, 4, 1, 5)
 
@@ -19,15 +21,17 @@ def decode(ids) -> str:
     return "".join(chr(ord("a") + t % 26) for t in ids)
 
 
-def run(request: GenerationRequest, drafter, verifier, on_round=None) -> list:
+def run(request: GenerationRequest, drafter, verifier, on_round=None, store=None, session="s1", ephemeral=True) -> list:
+    services = Services(drafter, verifier, store or FakeStore())
+
     async def collect():
-        return [e async for e in generate(request, "s1", drafter, verifier, decode, on_round)]
+        return [e async for e in generate(request, session, services, decode, ephemeral, on_round)]
 
     return asyncio.run(collect())
 
 
 def request(max_tokens=20, k=4, stop=(), eos=frozenset(), prompt=PROMPT) -> GenerationRequest:
-    return GenerationRequest(prompt, StopRules(max_tokens, tuple(stop), eos), SamplingParams(), k)
+    return GenerationRequest(prompt, StopRules(max_tokens, tuple(stop), eos), SamplingParams(), fixed_k=k)
 
 
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
@@ -100,3 +104,69 @@ def test_a_service_that_lost_the_session_is_resynced(who):
 
     done = run(request(max_tokens=40, k=3), drafter, verifier, forget_sometimes)[-1]
     assert list(done.token_ids) == target_alone(PROMPT, 40)
+
+
+def test_adaptive_k_keeps_the_output_identical():
+    drafter, verifier = FakeDrafter(draft_rule(5)), FakeVerifier(target_rule)
+    adaptive = GenerationRequest(PROMPT, StopRules(60), SamplingParams())
+    done = run(adaptive, drafter, verifier)[-1]
+    assert list(done.token_ids) == target_alone(PROMPT, 60)
+    assert done.stats.drafted > 0
+
+
+def test_speculation_off_never_calls_the_draft():
+    drafter, verifier = FakeDrafter(draft_rule(5)), FakeVerifier(target_rule)
+    done = run(request(max_tokens=12, k=0), drafter, verifier)[-1]
+    assert drafter.calls == 0 and verifier.calls == 12
+    assert list(done.token_ids) == target_alone(PROMPT, 12)
+
+
+def test_a_useless_draft_is_dropped_and_only_probed_afterwards():
+    useless = FakeDrafter(lambda prefix: (target_rule(prefix) + 1) % 50)
+    records: list[RoundRecord] = []
+    verifier = FakeVerifier(target_rule)
+    done = run(GenerationRequest(PROMPT, StopRules(300), SamplingParams()), useless, verifier, records.append)[-1]
+    assert list(done.token_ids) == target_alone(PROMPT, 300)
+    first_plain = next(i for i, r in enumerate(records) if r.mode == "plain")
+    assert first_plain <= 4
+    assert done.stats.fallbacks >= 1 and done.session.policy.mode == "plain"
+    probes = sum(r.k > 0 for r in records[first_plain:])
+    assert probes <= 6, f"{probes} draft calls after falling back"
+
+
+def test_a_named_session_continues_without_re_prefill():
+    drafter, verifier, store = FakeDrafter(draft_rule(3)), FakeVerifier(target_rule), FakeStore()
+    syncs = []
+    original = verifier.verify
+
+    async def recording_verify(session_id, sync, proposal, params):
+        syncs.append(sync)
+        return await original(session_id, sync, proposal, params)
+
+    verifier.verify = recording_verify
+    first = run(request(max_tokens=10, k=3), drafter, verifier, store=store, session="chat", ephemeral=False)[-1]
+    turn_one = list(PROMPT) + list(first.token_ids)
+    syncs.clear()
+    second_prompt = (7, 7)
+    second = run(request(max_tokens=10, k=3, prompt=second_prompt), drafter, verifier, store=store, session="chat", ephemeral=False)[-1]
+    history = turn_one + list(second_prompt)
+    assert list(second.token_ids) == target_alone(history, 10)
+    assert syncs[0].start_pos == len(turn_one) and syncs[0].tokens == second_prompt  # only the new tokens travel
+    assert store.sessions["chat"][1].tokens == tuple(history + list(second.token_ids))
+    assert store.sessions["chat"][1].requests == 2
+
+
+def test_a_newer_request_on_the_session_fences_the_older_one():
+    drafter, verifier, store = FakeDrafter(draft_rule(3)), FakeVerifier(target_rule), FakeStore()
+    services = Services(drafter, verifier, store)
+
+    async def interleave():
+        old = generate(request(max_tokens=20, k=2), "shared", services, decode, ephemeral=False)
+        await old.__anext__()  # the old request has committed one round
+        new = [e async for e in generate(request(max_tokens=5, k=2), "shared", services, decode, ephemeral=False)]
+        with pytest.raises(Fenced):
+            await old.__anext__()
+        return new
+
+    new = asyncio.run(interleave())
+    assert isinstance(new[-1], Finished)

@@ -16,9 +16,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from specd.loop import GenerationRequest, RoundRecord, generate
+from specd.loop import GenerationRequest, RoundRecord, Services, generate
 from specd.sampling import SamplingParams
 from specd.stopping import StopRules
+from services.coordinator.store import RedisSessionStore
 from services.draft.client import GrpcDrafter
 from services.protogen.specd.v1 import common_pb2, coordinator_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from services.target.client import GrpcVerifier
@@ -29,11 +30,11 @@ N_TOKENS = 24
 
 
 @pytest.fixture(scope="module", params=[0, 1, 2], ids=lambda s: f"pair{s}")
-def cluster(request, tmp_path_factory):
+def cluster(request, tmp_path_factory, redis_url):
     from specd.tiny import build_tiny_pair
 
     draft_dir, target_dir = build_tiny_pair(tmp_path_factory.mktemp(f"tiny{request.param}"), seed=request.param)
-    c = Cluster(draft_dir, target_dir)
+    c = Cluster(draft_dir, target_dir, redis_url)
     c.target_dir = target_dir
     yield c
     c.close()
@@ -110,11 +111,16 @@ def test_both_caches_follow_the_committed_length_every_round(cluster, reference)
         records.append(record)
 
     async def run():
-        async with grpc.aio.insecure_channel(cluster.address("draft")) as d, grpc.aio.insecure_channel(
-            cluster.address("target")
-        ) as t:
-            request = GenerationRequest(prompt, StopRules(30, ignore_eos=True), SamplingParams(), k=4)
-            return [e async for e in generate(request, session, GrpcDrafter(d), GrpcVerifier(t), cluster.model.decode, check)]
+        services = Services(
+            GrpcDrafter([cluster.address("draft")]), GrpcVerifier([cluster.address("target")]), RedisSessionStore(cluster.redis_url)
+        )
+        request = GenerationRequest(prompt, StopRules(30, ignore_eos=True), SamplingParams(), fixed_k=4)
+        try:
+            return [e async for e in generate(request, session, services, cluster.model.decode, on_round=check)]
+        finally:
+            await services.drafter.replicas.close()
+            await services.verifier.replicas.close()
+            await services.store.close()
 
     events = asyncio.run(run())
     assert list(events[-1].token_ids) == committed[len(prompt) :]

@@ -28,11 +28,11 @@ def params_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
 
 
 def sync_from_proto(msg: common_pb2.SyncPoint) -> SyncPoint:
-    return SyncPoint(msg.start_pos, tuple(msg.tokens))
+    return SyncPoint(msg.start_pos, tuple(msg.tokens), msg.instance_id)
 
 
 def sync_to_proto(sync: SyncPoint) -> common_pb2.SyncPoint:
-    return common_pb2.SyncPoint(start_pos=sync.start_pos, tokens=sync.tokens)
+    return common_pb2.SyncPoint(start_pos=sync.start_pos, tokens=sync.tokens, instance_id=sync.instance_id)
 
 
 def dists_from_proto(rows) -> tuple[sparse.SparseDist, ...]:

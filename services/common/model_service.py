@@ -3,11 +3,12 @@ session RPCs (GetSession, Release)."""
 
 from __future__ import annotations
 
+import time
 from typing import Callable, TypeVar
 
 import grpc
 
-from specd.engine import ModelEngine
+from specd.engine import ModelEngine, PositionMismatch
 from specd.loop import SyncPoint
 from services.common import convert
 from services.common.errors import grpc_errors
@@ -22,12 +23,28 @@ class ModelServicer:
         self.engine = engine
         self.worker = EngineWorker(name)
 
-    async def in_session(self, session_id: str, sync: SyncPoint, work: Callable[[int], T]) -> T:
-        """On the worker thread: bring the session to the committed tokens, then `work(position)`."""
-        def call() -> T:
-            return work(self.engine.sync(session_id, sync.start_pos, sync.tokens))
+    async def in_session(self, session_id: str, sync: SyncPoint, work: Callable[[int], T]) -> tuple[T, float]:
+        """On the worker thread: bring the session to the committed tokens, then `work(position)`.
+
+        Returns the result and the seconds spent, so callers can tell model time from overhead.
+        """
+
+        def call() -> tuple[T, float]:
+            start = time.perf_counter()
+            self._check_instance(session_id, sync)
+            result = work(self.engine.sync(session_id, sync.start_pos, sync.tokens))
+            return result, time.perf_counter() - start
 
         return await self.worker.run(call)
+
+    def _check_instance(self, session_id: str, sync: SyncPoint) -> None:
+        """A prefix held by another process (a restart, another replica) is not ours to build on,
+        even when this process holds a session of that name and length."""
+        if sync.start_pos > 0 and sync.instance_id != self.engine.instance_id:
+            raise PositionMismatch(
+                f"this is instance {self.engine.instance_id}, not {sync.instance_id!r}: resend the session",
+                position=self.engine.position(session_id),
+            )
 
     def info(self, session_id: str) -> common_pb2.SessionInfo:
         return common_pb2.SessionInfo(

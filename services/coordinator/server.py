@@ -1,4 +1,7 @@
-"""Coordinator service: the client-facing gRPC API around the transport-free loop."""
+"""Coordinator service: the client-facing gRPC API around the transport-free loop.
+
+Stateless: every session lives in the store (Redis), so any replica can serve any turn.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +9,11 @@ import uuid
 from typing import AsyncIterator
 
 import grpc
+import redis.exceptions
 
-from specd.loop import Chunk, Drafter, Finished, GenerationRequest, Verifier, generate
+from specd.loop import Chunk, Finished, GenerationRequest, Services, generate
 from specd.sampling import InvalidParams
+from specd.session import Fenced
 from services.coordinator import convert
 from services.coordinator.model_info import ModelInfo
 from services.protogen.specd.v1 import coordinator_pb2, coordinator_pb2_grpc
@@ -18,28 +23,48 @@ PASSED_THROUGH = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTE
 
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
-    def __init__(self, drafter: Drafter, verifier: Verifier, model: ModelInfo, limits: convert.Limits):
-        self.drafter, self.verifier, self.model, self.limits = drafter, verifier, model, limits
+    def __init__(self, services: Services, model: ModelInfo, limits: convert.Limits):
+        self.services, self.model, self.limits = services, model, limits
 
     async def Generate(
         self, request: coordinator_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[coordinator_pb2.GenerateResponse]:
         generation = await self._validated(request, context)
-        async for event in self._events(generation, context):
+        async for event in self._events(generation, request.session_id, context):
             if isinstance(event, Chunk):
                 yield coordinator_pb2.GenerateResponse(token_ids=event.token_ids, text=event.text)
             else:
-                stats = convert.stats_to_proto(event.stats, len(generation.prompt), len(event.token_ids))
+                stats = convert.final_stats(event, len(generation.prompt))
                 yield coordinator_pb2.GenerateResponse(finish_reason=event.finish_reason, stats=stats)
 
     async def Complete(
         self, request: coordinator_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> coordinator_pb2.CompleteResponse:
         generation = await self._validated(request, context)
-        async for event in self._events(generation, context):
+        async for event in self._events(generation, request.session_id, context):
             if isinstance(event, Finished):
                 return convert.complete_response(event, len(generation.prompt))
         raise AssertionError("the loop always ends with Finished")
+
+    async def GetSession(self, request: coordinator_pb2.SessionRequest, context: grpc.aio.ServicerContext):
+        session_id = await self._session_id(request.session_id, context)
+        state = await self.services.store.get(session_id)
+        if state is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no session {session_id!r} (released or expired)")
+        return convert.session_summary(state)
+
+    async def ReleaseSession(self, request: coordinator_pb2.SessionRequest, context: grpc.aio.ServicerContext):
+        session_id = await self._session_id(request.session_id, context)
+        released = await self.services.store.delete(session_id)
+        await self.services.drafter.release(session_id)
+        await self.services.verifier.release(session_id)
+        return coordinator_pb2.ReleaseSessionResponse(released=released)
+
+    async def _session_id(self, value: str, context: grpc.aio.ServicerContext) -> str:
+        try:
+            return convert.session_id(value)
+        except InvalidParams as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
     async def _validated(self, request, context: grpc.aio.ServicerContext) -> GenerationRequest:
         try:
@@ -47,14 +72,18 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         except InvalidParams as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
-    async def _events(self, generation: GenerationRequest, context) -> AsyncIterator[Chunk | Finished]:
-        session_id = uuid.uuid4().hex
+    async def _events(self, generation: GenerationRequest, named: str, context) -> AsyncIterator[Chunk | Finished]:
+        session_id = named or uuid.uuid4().hex
         try:
-            async for event in generate(generation, session_id, self.drafter, self.verifier, self.model.decode):
+            async for event in generate(generation, session_id, self.services, self.model.decode, ephemeral=not named):
                 yield event
         except grpc.aio.AioRpcError as e:
             code = e.code() if e.code() in PASSED_THROUGH else grpc.StatusCode.INTERNAL
             await context.abort(code, f"model service failed: {e.code().name}: {e.details()}")
+        except Fenced:
+            await context.abort(grpc.StatusCode.ABORTED, f"session {session_id!r} was taken over by a newer request")
+        except redis.exceptions.ConnectionError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"session store unreachable: {e}")
 
 
 def register(servicer: CoordinatorServicer):

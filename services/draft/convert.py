@@ -35,11 +35,18 @@ def propose_request(session_id: str, sync: SyncPoint, k: int, params: SamplingPa
     )
 
 
-def propose_response(proposal: Proposal, position: int, instance_id: str) -> draft_pb2.ProposeResponse:
+def propose_response(
+    proposal: Proposal, position: int, instance_id: str, compute_s: float
+) -> draft_pb2.ProposeResponse:
     return draft_pb2.ProposeResponse(
-        tokens=proposal.tokens, q=common.dists_to_proto(proposal.q), position=position, instance_id=instance_id
+        tokens=proposal.tokens,
+        q=common.dists_to_proto(proposal.q),
+        position=position,
+        instance_id=instance_id,
+        compute_s=compute_s,
     )
 
 
 def draft_reply(msg: draft_pb2.ProposeResponse) -> DraftReply:
-    return DraftReply(Proposal(tuple(msg.tokens), common.dists_from_proto(msg.q)), msg.position)
+    proposal = Proposal(tuple(msg.tokens), common.dists_from_proto(msg.q))
+    return DraftReply(proposal, msg.position, msg.instance_id, msg.compute_s)

@@ -19,8 +19,8 @@ class DraftServicer(ModelServicer, draft_pb2_grpc.DraftServiceServicer):
         def draft(position: int):
             return speculation.propose(self.engine, call.session_id, call.k, call.params), position
 
-        proposal, position = await self.in_session(call.session_id, call.sync, draft)
-        return convert.propose_response(proposal, position, self.engine.instance_id)
+        (proposal, position), compute_s = await self.in_session(call.session_id, call.sync, draft)
+        return convert.propose_response(proposal, position, self.engine.instance_id, compute_s)
 
 
 def register(servicer: DraftServicer):

@@ -25,8 +25,8 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
             verdict = speculation.verify_proposal(self.engine, call.session_id, call.proposal, call.params)
             return verdict, self.engine.position(call.session_id)
 
-        verdict, position = await self.in_session(call.session_id, call.sync, verify)
-        return convert.verify_response(verdict, position, self.engine.instance_id)
+        (verdict, position), compute_s = await self.in_session(call.session_id, call.sync, verify)
+        return convert.verify_response(verdict, position, self.engine.instance_id, compute_s)
 
 
 def register(servicer: TargetServicer):

@@ -19,12 +19,14 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class SyncPoint(_message.Message):
-    __slots__ = ("start_pos", "tokens")
+    __slots__ = ("start_pos", "tokens", "instance_id")
     START_POS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     start_pos: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, start_pos: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    instance_id: str
+    def __init__(self, start_pos: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class SparseDist(_message.Message):
     __slots__ = ("token_ids", "probs")

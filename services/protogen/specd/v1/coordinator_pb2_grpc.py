@@ -45,6 +45,16 @@ class CoordinatorStub:
                 request_serializer=specd_dot_v1_dot_coordinator__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=specd_dot_v1_dot_coordinator__pb2.CompleteResponse.FromString,
                 _registered_method=True)
+        self.GetSession = channel.unary_unary(
+                '/specd.v1.Coordinator/GetSession',
+                request_serializer=specd_dot_v1_dot_coordinator__pb2.SessionRequest.SerializeToString,
+                response_deserializer=specd_dot_v1_dot_coordinator__pb2.SessionSummary.FromString,
+                _registered_method=True)
+        self.ReleaseSession = channel.unary_unary(
+                '/specd.v1.Coordinator/ReleaseSession',
+                request_serializer=specd_dot_v1_dot_coordinator__pb2.SessionRequest.SerializeToString,
+                response_deserializer=specd_dot_v1_dot_coordinator__pb2.ReleaseSessionResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -65,6 +75,19 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetSession(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseSession(self, request, context):
+        """forget it everywhere
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -77,6 +100,16 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Complete,
                     request_deserializer=specd_dot_v1_dot_coordinator__pb2.GenerateRequest.FromString,
                     response_serializer=specd_dot_v1_dot_coordinator__pb2.CompleteResponse.SerializeToString,
+            ),
+            'GetSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetSession,
+                    request_deserializer=specd_dot_v1_dot_coordinator__pb2.SessionRequest.FromString,
+                    response_serializer=specd_dot_v1_dot_coordinator__pb2.SessionSummary.SerializeToString,
+            ),
+            'ReleaseSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseSession,
+                    request_deserializer=specd_dot_v1_dot_coordinator__pb2.SessionRequest.FromString,
+                    response_serializer=specd_dot_v1_dot_coordinator__pb2.ReleaseSessionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -134,6 +167,60 @@ class Coordinator:
             '/specd.v1.Coordinator/Complete',
             specd_dot_v1_dot_coordinator__pb2.GenerateRequest.SerializeToString,
             specd_dot_v1_dot_coordinator__pb2.CompleteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specd.v1.Coordinator/GetSession',
+            specd_dot_v1_dot_coordinator__pb2.SessionRequest.SerializeToString,
+            specd_dot_v1_dot_coordinator__pb2.SessionSummary.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specd.v1.Coordinator/ReleaseSession',
+            specd_dot_v1_dot_coordinator__pb2.SessionRequest.SerializeToString,
+            specd_dot_v1_dot_coordinator__pb2.ReleaseSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,151 @@
+"""`SessionStore` on Redis: the coordinator keeps no session in memory, so any replica can serve any turn.
+
+Two keys per session, hash-tagged on the session id so a Redis Cluster keeps them on one slot
+(the Lua scripts touch both):
+  {prefix}:{<id>}:meta    hash: epoch (the lease's fencing token), state (JSON of SessionState minus tokens)
+  {prefix}:{<id>}:tokens  string: committed token ids as little-endian uint32, append-only
+Each `begin` and `save` is one Lua script, so a save is all-or-nothing and checked against the epoch.
+Redis errors other than fencing and a length mismatch propagate; the coordinator maps them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import struct
+import types
+import typing
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError, ResponseError, TimeoutError
+
+from specd.session import Fenced, Lease, SessionNotFound, SessionState
+
+# KEYS: meta, tokens. ARGV: create ("1"/"0"), ttl_ms. Returns nil (unknown id) or {epoch, state, tokens}.
+BEGIN_LUA = """
+local created = redis.call('EXISTS', KEYS[1]) == 0
+if created and ARGV[1] == '0' then return false end
+if created then redis.call('DEL', KEYS[2]) end  -- tokens outliving their meta are no session's
+local epoch = redis.call('HINCRBY', KEYS[1], 'epoch', 1)
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+redis.call('PEXPIRE', KEYS[2], ARGV[2])
+return {epoch, redis.call('HGET', KEYS[1], 'state') or '', redis.call('GET', KEYS[2]) or ''}
+"""
+
+# KEYS: meta, tokens. ARGV: epoch, bytes already held, new token bytes, state JSON, ttl_ms.
+# Both checks come before any write, so a refused save changes nothing. A session that expired or was
+# deleted under the lease has no epoch, so its writer is fenced too (a save never resurrects it).
+# A save retried after a lost reply finds its tokens already appended: under one lease nobody else
+# writes, so it only rewrites the state (the client retries on connection errors).
+SAVE_LUA = """
+if redis.call('HGET', KEYS[1], 'epoch') ~= ARGV[1] then return redis.error_reply('FENCED') end
+local held = redis.call('STRLEN', KEYS[2])
+local replayed = held == tonumber(ARGV[2]) + string.len(ARGV[3])
+if held ~= tonumber(ARGV[2]) and not replayed then return redis.error_reply('LENGTH ' .. held) end
+if not replayed then redis.call('APPEND', KEYS[2], ARGV[3]) end
+redis.call('HSET', KEYS[1], 'state', ARGV[4])
+redis.call('PEXPIRE', KEYS[1], ARGV[5])
+redis.call('PEXPIRE', KEYS[2], ARGV[5])
+return 1
+"""
+
+TOKEN_BYTES = 4
+# Ride out a Redis restart (an AOF reload takes about a second) instead of failing the request.
+RETRY = Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=25)
+
+
+class RedisSessionStore:
+    def __init__(self, url: str, ttl_s: float = 3600, prefix: str = "specd"):
+        self._redis = aioredis.from_url(url, retry=RETRY, retry_on_error=[ConnectionError, TimeoutError])
+        self._ttl_ms = max(1, int(ttl_s * 1000))
+        self._prefix = prefix
+        self._begin = self._redis.register_script(BEGIN_LUA)
+        self._save = self._redis.register_script(SAVE_LUA)
+
+    def _keys(self, session_id: str) -> list[str]:
+        base = f"{self._prefix}:{{{session_id}}}"
+        return [f"{base}:meta", f"{base}:tokens"]
+
+    async def begin(self, session_id: str, create: bool) -> tuple[Lease, SessionState]:
+        reply = await self._begin(keys=self._keys(session_id), args=["1" if create else "0", self._ttl_ms])
+        if reply is None:
+            raise SessionNotFound(session_id)
+        epoch, state_json, token_bytes = reply
+        return Lease(session_id, int(epoch)), decode_state(session_id, state_json, token_bytes)
+
+    async def save(self, lease: Lease, state: SessionState, appended_from: int) -> None:
+        args = [lease.epoch, TOKEN_BYTES * appended_from, pack_tokens(state.tokens[appended_from:]),
+                encode_state(state), self._ttl_ms]
+        try:
+            await self._save(keys=self._keys(lease.session_id), args=args)
+        except ResponseError as e:
+            if str(e).startswith("FENCED"):
+                raise Fenced(f"session {lease.session_id!r}: epoch {lease.epoch} is no longer current") from e
+            if str(e).startswith("LENGTH"):
+                held = int(str(e).split()[1]) // TOKEN_BYTES
+                raise RuntimeError(f"session {lease.session_id!r}: store holds {held} committed tokens, "
+                                   f"caller says {appended_from}; nothing written") from e
+            raise
+
+    async def delete(self, session_id: str) -> bool:
+        return await self._redis.delete(*self._keys(session_id)) > 0
+
+    async def get(self, session_id: str) -> SessionState | None:
+        """Read without taking a lease (no epoch bump): for inspection and tests."""
+        meta, tokens = self._keys(session_id)
+        async with self._redis.pipeline(transaction=True) as pipe:
+            exists, state_json, token_bytes = await pipe.exists(meta).hget(meta, "state").get(tokens).execute()
+        if not exists:
+            return None
+        return decode_state(session_id, state_json or b"", token_bytes or b"")
+
+    async def close(self) -> None:
+        await self._redis.aclose()
+
+
+def pack_tokens(tokens: typing.Sequence[int]) -> bytes:
+    return struct.pack(f"<{len(tokens)}I", *tokens)
+
+
+def unpack_tokens(data: bytes) -> tuple[int, ...]:
+    return struct.unpack(f"<{len(data) // TOKEN_BYTES}I", data)
+
+
+def encode_state(state: SessionState) -> str:
+    # Tokens live in their own key; blank them before asdict rather than copy them into the JSON.
+    fields = dataclasses.asdict(dataclasses.replace(state, tokens=()))
+    del fields["tokens"]
+    return json.dumps(fields)
+
+
+def decode_state(session_id: str, state_json: bytes, token_bytes: bytes) -> SessionState:
+    """A session created by `begin` but never saved has no state yet: it is a fresh one."""
+    fields = json.loads(state_json) if state_json else {}
+    state = from_jsonable(SessionState, fields | {"session_id": session_id})
+    return dataclasses.replace(state, tokens=unpack_tokens(token_bytes))
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, typing.Any]:
+    return typing.get_type_hints(cls)
+
+
+def from_jsonable(tp: typing.Any, value: typing.Any) -> typing.Any:
+    """Rebuild `tp` from what dataclasses.asdict + JSON made of it: nested dataclasses and tuples come back
+    from dicts and lists. Unknown keys are dropped and missing ones take their defaults, so a state written
+    by another version of specd still loads."""
+    if dataclasses.is_dataclass(tp):
+        hints = _hints(tp)
+        names = {f.name for f in dataclasses.fields(tp) if f.init}
+        return tp(**{k: from_jsonable(hints[k], v) for k, v in value.items() if k in names})
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is tuple:
+        if len(args) == 2 and args[1] is Ellipsis:  # tuple[X, ...]
+            return tuple(from_jsonable(args[0], v) for v in value)
+        return tuple(from_jsonable(a, v) for a, v in zip(args, value))
+    if origin in (typing.Union, types.UnionType) and value is not None:  # X | None: decode as X
+        return from_jsonable(next(a for a in args if a is not type(None)), value)
+    return value  # str, int, float, bool, None

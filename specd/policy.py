@@ -1,0 +1,294 @@
+"""When speculation pays, and with how many draft tokens: a cost model from measured
+acceptance and timings. Pure functions; no transport.
+
+The cost model (Leviathan et al. 2023, with the network added). A round drafts K tokens,
+each accepted with probability α, and the target verifies them in one forward pass:
+
+    tokens per round   E(α, K) = (1 - α^(K+1)) / (1 - α)        (K + 1 when α = 1)
+    speculative round  T(K)    = K·draft_step + verify(K) + 2·rtt   (one draft RPC, one verify RPC)
+    plain round        T_plain = verify(0) + rtt                  (one token, target only)
+
+    predicted speedup  S(K)    = (E(α, K) / T(K)) / (1 / T_plain)
+
+verify(K) is the target's compute for K drafts (K + 1 positions); it is measured per K and
+linearly interpolated between measured K (see `verify_time`).
+
+The policy runs in two modes. *Speculative*: K = argmax S(K) over 1..max_k, and fall back to
+plain decoding when max S < off_below. *Plain*: K = 0, except a probe round every
+`probe_interval` rounds that drafts again to re-measure α; a failed probe doubles the interval
+(up to probe_max), so a useless draft costs O(log n) draft calls over n tokens. Switching back
+needs max S > on_above: the gap between off_below and on_above is the hysteresis that stops a
+draft sitting at break-even from flipping the mode every round.
+
+Cold rounds: a service that processed more than the round's own tokens (a prompt, the
+catch-up after rounds it sat out, a resend after it lost the session) measured a prefill, not
+a decode step. Such a round still teaches α; its timing for that service is skipped. The
+policy knows two cases itself: a fresh state's first round (the target prefills the prompt)
+and any drafting round after a round that did not draft (the draft catches up, e.g. on a
+probe). The coordinator marks the others (`draft_cold`, `target_cold`): a new prompt on a
+continuing session, a resend.
+
+Calibration: S needs verify(0), the plain step time, which speculative rounds never measure.
+So a fresh state decodes plainly until verify(0) is measured, at most two rounds (the first
+one prefills the prompt, so it is cold): each still commits a token at plain speed. Should
+verify(0) stay unknown, it is extrapolated from the K-round timings (`verify_time`), and the
+fallback waits until that extrapolation rests on two measured K.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+SPECULATIVE, PLAIN = "speculative", "plain"
+
+CALIBRATION_ROUNDS = 2  # plain rounds a fresh state may spend measuring verify(0)
+PRIOR_DRAFTS = 2.0  # weight, in drafts, of the prior α: three rejections in a row outweigh it
+PRIOR_SLOPE = 0.25  # verify(K) ≈ verify(0)·(1 + PRIOR_SLOPE·K) when only one K is measured
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    max_k: int = 8  # the server's bound; a request may lower it
+    default_k: int = 4  # K before anything is measured, for probes, and the fixed K when not adaptive
+    adaptive: bool = True  # False: K stays min(default_k, max_k); the fallback still guards
+    off_below: float = 0.95  # fall back to plain decoding when the best predicted speedup < this
+    on_above: float = 1.05  # leave plain mode (after a probe) only when it is > this (hysteresis)
+    probe_every: int = 16  # plain rounds before the first re-probe; doubles after each failed probe
+    probe_max: int = 512
+    smoothing: float = 0.3  # EWMA weight of a new observation (timings)
+    alpha_window: int = 16  # rounds of evidence behind α (its counts decay by 1 - 1/alpha_window a round)
+
+    def validate(self) -> None:
+        _validate_that(self.max_k >= 1, f"max_k must be >= 1, got {self.max_k}")
+        _validate_that(self.default_k >= 1, f"default_k must be >= 1, got {self.default_k}")
+        _validate_that(self.off_below <= self.on_above, "off_below must not exceed on_above")
+        _validate_that(1 <= self.probe_every <= self.probe_max, "need 1 <= probe_every <= probe_max")
+        _validate_that(0.0 < self.smoothing <= 1.0, f"smoothing must be in (0, 1], got {self.smoothing}")
+        _validate_that(self.alpha_window >= 1, f"alpha_window must be >= 1, got {self.alpha_window}")
+
+
+@dataclass(frozen=True)
+class RoundObservation:
+    k: int  # tokens drafted this round (0 = a plain step)
+    accepted: int  # of those, accepted
+    draft_s: float  # draft service compute for the whole round (0 when k = 0)
+    verify_s: float  # target service compute for the round
+    rtt_s: float  # per-RPC overhead (wall - compute), averaged over the round's RPCs
+    draft_cold: bool = False  # the draft processed more than this round's tokens (prefill, catch-up)
+    target_cold: bool = False  # the target did: its verify_s is not a decode step
+
+
+@dataclass(frozen=True)
+class Estimates:
+    alpha: float = 0.7  # per-draft-token acceptance rate (prior until measured)
+    draft_step_s: float | None = None  # draft compute per drafted token
+    verify_s: tuple[tuple[int, float], ...] = ()  # target compute per round, by K (K = 0: plain step)
+    rtt_s: float = 0.0  # per RPC: wall time minus service compute
+    observations: int = 0
+    accepted_count: float = 0.0  # decayed count of accepted drafts; alpha = accepted_count / tested_count
+    tested_count: float = 0.0  # decayed count of drafts the target judged (accepted + 1 unless all passed)
+
+
+@dataclass(frozen=True)
+class PolicyState:
+    mode: str = SPECULATIVE
+    k: int = 4
+    estimates: Estimates = Estimates()
+    plain_rounds_until_probe: int = 0
+    probe_interval: int = 16
+    fallbacks: int = 0
+    mode_rounds: int = 0  # rounds since the last switch (a short speculative stint = a failed probe)
+    drafted_last_round: bool = False  # else the next drafting round is cold: the draft must catch up
+
+
+# --- the cost model ---------------------------------------------------------------------
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Tokens one round commits: the accepted drafts plus the recovered/bonus token."""
+    if alpha >= 1.0:
+        return float(k + 1)
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+def verify_time(est: Estimates, k: int) -> float | None:
+    """Target compute for a round with K drafts: the measurement when K was measured, else a
+    least-squares line through the measured K (slope >= 0: more positions never cost less),
+    or PRIOR_SLOPE through a single point. Never below what a batched pass can cost: K + 1
+    positions at once cost at most K + 1 times one position. None when nothing is measured."""
+    points = dict(est.verify_s)
+    if k in points:
+        return points[k]
+    if not points:
+        return None
+    slope, intercept = _fit(points)
+    floor = max((t * (k + 1) / (km + 1) for km, t in points.items() if km > k), default=0.0)
+    return max(intercept + slope * k, floor)
+
+
+def _fit(points: dict[int, float]) -> tuple[float, float]:
+    """(slope, intercept) of verify time over K."""
+    if len(points) == 1:
+        ((k1, t1),) = points.items()
+        t0 = t1 / (1.0 + PRIOR_SLOPE * k1)
+        return PRIOR_SLOPE * t0, t0
+    n = len(points)
+    mean_k = sum(points) / n
+    mean_t = sum(points.values()) / n
+    var_k = sum((k - mean_k) ** 2 for k in points)
+    slope = max(0.0, sum((k - mean_k) * (t - mean_t) for k, t in points.items()) / var_k)
+    return slope, mean_t - slope * mean_k
+
+
+def is_measured(est: Estimates) -> bool:
+    """Enough to compare speculation with plain decoding: the draft step, and verify(0)
+    either measured next to a K > 0 or extrapolated from two measured K > 0."""
+    measured_k = {k for k, _ in est.verify_s if k > 0}
+    has_plain = any(k == 0 for k, _ in est.verify_s)
+    return est.draft_step_s is not None and len(measured_k) >= (1 if has_plain else 2)
+
+
+def predicted_speedup(est: Estimates, k: int) -> float:
+    """S(K) of the module docstring: plain rounds per second of speculative work. Needs
+    `is_measured(est)`."""
+    plain_s, verify_k_s = verify_time(est, 0), verify_time(est, k)
+    if est.draft_step_s is None or plain_s is None or verify_k_s is None:
+        raise ValueError("predicted_speedup needs the draft step and a verify time measured")
+    round_s = k * est.draft_step_s + verify_k_s + 2 * est.rtt_s
+    return expected_tokens(est.alpha, k) * (plain_s + est.rtt_s) / round_s
+
+
+def best_k(est: Estimates, config: PolicyConfig) -> tuple[int, float]:
+    """(K, S(K)) maximising the predicted speedup over 1..max_k (just the fixed K when not
+    adaptive); the smaller K on a tie. Before anything is measured: (the default K, nan)."""
+    if not is_measured(est):
+        return _start_k(config), math.nan
+    candidates = range(1, config.max_k + 1) if config.adaptive else (_start_k(config),)
+    return max(((k, predicted_speedup(est, k)) for k in candidates), key=lambda ks: (ks[1], -ks[0]))
+
+
+def should_fall_back(est: Estimates, config: PolicyConfig) -> bool:
+    """Plain decoding is predicted to beat the best K by a margin. Never before the
+    comparison rests on measurements: a prior alone must not switch speculation off."""
+    return is_measured(est) and best_k(est, config)[1] < config.off_below
+
+
+# --- the state machine ------------------------------------------------------------------
+
+
+def next_k(state: PolicyState, config: PolicyConfig) -> int:
+    """K for the coming round; 0 = a plain step. Plain rounds: the calibration of a fresh
+    state (see the module docstring) and plain mode between probes."""
+    if _calibrating(state):
+        return 0
+    if state.mode == PLAIN:
+        return _start_k(config) if state.plain_rounds_until_probe <= 0 else 0
+    return _start_k(config) if not config.adaptive else min(max(state.k, 1), config.max_k)
+
+
+def observe(state: PolicyState, obs: RoundObservation, config: PolicyConfig) -> PolicyState:
+    """Learn from one round, then decide K and the mode for the next."""
+    draft_cold = obs.draft_cold or not state.drafted_last_round
+    target_cold = obs.target_cold or state.estimates.observations == 0
+    est = _learn(state.estimates, obs, config, draft_cold, target_cold)
+    state = replace(state, estimates=est, drafted_last_round=obs.k > 0)
+    if state.mode == SPECULATIVE:
+        return _after_speculative_round(state, config)
+    if obs.k > 0:
+        return _after_probe(state, config)
+    countdown = max(0, state.plain_rounds_until_probe - 1)
+    return replace(state, plain_rounds_until_probe=countdown, mode_rounds=state.mode_rounds + 1)
+
+
+def _after_speculative_round(state: PolicyState, config: PolicyConfig) -> PolicyState:
+    if should_fall_back(state.estimates, config):
+        interval = _interval_after_fallback(state, config)
+        return replace(
+            state,
+            mode=PLAIN,
+            fallbacks=state.fallbacks + 1,
+            probe_interval=interval,
+            plain_rounds_until_probe=interval,
+            mode_rounds=0,
+        )
+    return replace(state, k=best_k(state.estimates, config)[0], mode_rounds=state.mode_rounds + 1)
+
+
+def _after_probe(state: PolicyState, config: PolicyConfig) -> PolicyState:
+    k, speedup = best_k(state.estimates, config)
+    if math.isnan(speedup) or speedup > config.on_above:
+        return replace(state, mode=SPECULATIVE, k=k, mode_rounds=0)
+    interval = min(2 * state.probe_interval, config.probe_max)
+    return replace(state, probe_interval=interval, plain_rounds_until_probe=interval, mode_rounds=0)
+
+
+def _interval_after_fallback(state: PolicyState, config: PolicyConfig) -> int:
+    """Back to probe_every when speculation had paid for at least as long as the last plain
+    wait (the draft got worse: news worth re-checking soon); otherwise the re-entry was a
+    false start and counts as a failed probe."""
+    paid_for_a_while = state.fallbacks == 0 or state.mode_rounds >= state.probe_interval
+    return config.probe_every if paid_for_a_while else min(2 * state.probe_interval, config.probe_max)
+
+
+def _calibrating(state: PolicyState) -> bool:
+    est = state.estimates
+    plain_measured = any(k == 0 for k, _ in est.verify_s)
+    return state.mode == SPECULATIVE and not plain_measured and est.observations < CALIBRATION_ROUNDS
+
+
+def _start_k(config: PolicyConfig) -> int:
+    return max(1, min(config.default_k, config.max_k))
+
+
+# --- learning ---------------------------------------------------------------------------
+
+
+def _learn(
+    est: Estimates, obs: RoundObservation, config: PolicyConfig, draft_cold: bool, target_cold: bool
+) -> Estimates:
+    """Update the estimates from one round: α from decayed counts, timings by EWMA (a first
+    measurement is taken as is); a cold service's timing is skipped."""
+    accepted_count, tested_count = _learn_acceptance(est, obs, config.alpha_window)
+    alpha = accepted_count / tested_count if tested_count > 0 else est.alpha
+    w = config.smoothing
+    draft_step = est.draft_step_s
+    if obs.k > 0 and not draft_cold:
+        step = obs.draft_s / obs.k
+        draft_step = step if draft_step is None else _ewma(draft_step, step, w)
+    verify_s = est.verify_s if target_cold else _learn_verify(est.verify_s, obs.k, obs.verify_s, w)
+    rtt = obs.rtt_s if est.observations == 0 else _ewma(est.rtt_s, obs.rtt_s, w)
+    return Estimates(alpha, draft_step, verify_s, rtt, est.observations + 1, accepted_count, tested_count)
+
+
+def _learn_acceptance(est: Estimates, obs: RoundObservation, window: int) -> tuple[float, float]:
+    """α is accepted / tested over decayed counts, not the mean of accepted / K: drafts after
+    the first rejection were never judged, so accepted / K would read α = 0.83 at K = 4 as
+    0.64; E[accepted] = α·E[tested] (Wald's identity), so accepted / tested converges to α.
+
+    Counts rather than an EWMA of the ratio, so a round weighs by the drafts it judged; and
+    they decay every round, plain ones included, so evidence ages with the text: a probe after
+    a long plain stretch speaks for the text as it is now. A window of 16 rounds keeps a few
+    unlucky rounds at α = 0.7 from reading as a useless draft; the 2-draft prior lets a truly
+    useless one show within three rounds."""
+    accepted, tested = est.accepted_count, est.tested_count
+    if tested == 0:
+        accepted, tested = est.alpha * PRIOR_DRAFTS, PRIOR_DRAFTS
+    keep = 1.0 - 1.0 / window
+    judged = obs.accepted + (1 if obs.accepted < obs.k else 0)
+    return accepted * keep + obs.accepted, tested * keep + judged
+
+
+def _learn_verify(verify_s: tuple[tuple[int, float], ...], k: int, seconds: float, w: float):
+    points = dict(verify_s)
+    points[k] = seconds if k not in points else _ewma(points[k], seconds, w)
+    return tuple(sorted(points.items()))
+
+
+def _ewma(old: float, new: float, w: float) -> float:
+    return old + w * (new - old)
+
+
+def _validate_that(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)

@@ -1,0 +1,103 @@
+"""A session as the coordinator keeps it in the store: committed tokens are the truth,
+everything else (where each service's cache stands, policy state, stats) is bookkeeping.
+
+`SessionStore` is the port the loop talks to; Redis implements it in
+services/coordinator/store.py. Every writer holds a lease: `begin` bumps the session's epoch
+and returns it, and `save` succeeds only while that epoch is current, so two coordinators can
+never both advance one session (the later `begin` fences the earlier writer out).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from specd.policy import PolicyState
+
+
+@dataclass(frozen=True)
+class ServiceCursor:
+    """How much of the committed sequence one model service is known to hold, and which process."""
+
+    position: int = 0
+    instance_id: str = ""  # the engine instance that holds it; "" = nothing known
+
+
+@dataclass(frozen=True)
+class SessionStats:
+    """Counters for one request or, summed, for a whole session."""
+
+    rounds: int = 0  # target calls
+    drafted: int = 0
+    accepted: int = 0
+    accepted_per_position: tuple[int, ...] = ()  # [i]: rounds whose draft i was accepted
+    drafted_per_position: tuple[int, ...] = ()  # [i]: rounds that drafted at least i + 1 tokens
+    fallbacks: int = 0  # switches from speculative to plain decoding
+    resyncs: int = 0  # a service had lost the session (restart, eviction, other replica) and got it resent
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens committed per target call; includes the recovered/bonus token (as vLLM counts)."""
+        return (self.accepted + self.rounds) / self.rounds if self.rounds else 0.0
+
+    def record(self, k: int, accepted: int, fallbacks: int = 0, resyncs: int = 0) -> "SessionStats":
+        return self + SessionStats(1, k, accepted, (1,) * accepted, (1,) * k, fallbacks, resyncs)
+
+    def __add__(self, other: "SessionStats") -> "SessionStats":
+        return SessionStats(
+            self.rounds + other.rounds,
+            self.drafted + other.drafted,
+            self.accepted + other.accepted,
+            _add_counts(self.accepted_per_position, other.accepted_per_position),
+            _add_counts(self.drafted_per_position, other.drafted_per_position),
+            self.fallbacks + other.fallbacks,
+            self.resyncs + other.resyncs,
+        )
+
+
+def _add_counts(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
+    longer, shorter = (a, b) if len(a) >= len(b) else (b, a)
+    return tuple(x + (shorter[i] if i < len(shorter) else 0) for i, x in enumerate(longer))
+
+
+@dataclass(frozen=True)
+class SessionState:
+    session_id: str
+    tokens: tuple[int, ...] = ()  # committed: prompts and generations of every turn so far
+    draft: ServiceCursor = ServiceCursor()
+    target: ServiceCursor = ServiceCursor()
+    policy: PolicyState = field(default_factory=PolicyState)
+    stats: SessionStats = SessionStats()
+    requests: int = 0
+    owner: str = ""  # who may use the session (the API key's id at the REST edge)
+
+
+@dataclass(frozen=True)
+class Lease:
+    session_id: str
+    epoch: int  # fencing token: valid while no later `begin` happened
+
+
+class SessionNotFound(KeyError):
+    pass
+
+
+class Fenced(RuntimeError):
+    """Another coordinator began serving this session; this writer must stop."""
+
+
+class SessionStore(Protocol):
+    async def begin(self, session_id: str, create: bool) -> tuple[Lease, SessionState]:
+        """Take the session over (bump its epoch). Unknown id: a fresh state if `create`, else SessionNotFound."""
+        ...
+
+    async def save(self, lease: Lease, state: SessionState, appended_from: int) -> None:
+        """Atomically write `state` if the lease is current (else Fenced). `appended_from` is the committed
+        length the store already holds: only state.tokens[appended_from:] need be written."""
+        ...
+
+    async def delete(self, session_id: str) -> bool: ...
+
+    async def get(self, session_id: str) -> SessionState | None:
+        """Read without taking the session over (no epoch bump)."""
+        ...

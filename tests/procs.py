@@ -1,0 +1,73 @@
+"""specd services as real processes (`python -m services.<role>`) for failure tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.common.redis_server import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+READY_TIMEOUT_S = 120.0
+
+
+class ServiceProcess:
+    def __init__(self, role: str, args: list[str], log_dir: Path, port: int | None = None):
+        self.role, self.args = role, args
+        self.port = port or free_port()
+        self.log_path = log_dir / f"{role}-{self.port}.log"
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> "ServiceProcess":
+        """Launch without waiting (start several, then `wait_ready` each: they boot in parallel)."""
+        cmd = [sys.executable, "-m", f"services.{self.role}", "--port", str(self.port), *self.args]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        with open(self.log_path, "a") as log:
+            self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        return self
+
+    def wait_ready(self) -> "ServiceProcess":
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        with grpc.insecure_channel(self.address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"{self.role} exited {self.proc.returncode}:\n{self.log_path.read_text()[-3000:]}")
+                try:
+                    if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
+                        return self
+                except grpc.RpcError:
+                    time.sleep(0.2)
+        raise TimeoutError(f"{self.role} on {self.address} not ready:\n{self.log_path.read_text()[-3000:]}")
+
+    def kill9(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.kill9()
+
+
+def model_service(role: str, model_dir: Path, log_dir: Path, port: int | None = None) -> ServiceProcess:
+    return ServiceProcess(role, ["--model-dir", str(model_dir), "--dtype", "float64", "--threads", "1"], log_dir, port)
+
+
+def coordinator(target_dir: Path, drafts: list[str], targets: list[str], redis_url: str, log_dir: Path) -> ServiceProcess:
+    args = ["--model-dir", str(target_dir), "--draft-addr", ",".join(drafts), "--target-addr", ",".join(targets)]
+    return ServiceProcess("coordinator", [*args, "--redis-url", redis_url], log_dir)

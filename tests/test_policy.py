@@ -1,0 +1,307 @@
+"""The speculation policy: the cost model by hand, then simulated sessions with the CPU timings
+of the real pair (draft 0.1 s/token, verify(K) = 0.4·(1 + 0.1·K) s, rtt 1 ms) and a draft whose
+acceptance is drawn from a seeded geometric model."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specd.policy import (
+    PLAIN,
+    SPECULATIVE,
+    Estimates,
+    PolicyConfig,
+    PolicyState,
+    RoundObservation,
+    best_k,
+    expected_tokens,
+    next_k,
+    observe,
+    predicted_speedup,
+    should_fall_back,
+    verify_time,
+)
+
+CONFIG = PolicyConfig()
+DRAFT_STEP, PLAIN_STEP, RTT = 0.1, 0.4, 0.001
+
+
+def cpu_round(k: int, accepted: int) -> RoundObservation:
+    return RoundObservation(k, accepted, DRAFT_STEP * k, PLAIN_STEP * (1 + 0.1 * k), RTT)
+
+
+def measured(alpha: float) -> Estimates:
+    """Estimates as after a few rounds at the realistic timings."""
+    return Estimates(alpha=alpha, draft_step_s=DRAFT_STEP, verify_s=((0, 0.4), (4, 0.56)), rtt_s=RTT)
+
+
+def draw_accepted(rng: random.Random, alpha: float, k: int) -> int:
+    accepted = 0
+    while accepted < k and rng.random() < alpha:
+        accepted += 1
+    return accepted
+
+
+@dataclasses.dataclass
+class Run:
+    ks: list[int]  # K of each round
+    modes: list[str]  # mode after each round
+    state: PolicyState
+
+    @property
+    def switches(self) -> int:
+        return sum(a != b for a, b in zip([SPECULATIVE] + self.modes, self.modes))
+
+    def probes(self, start: int = 0) -> int:
+        """Drafting rounds taken in plain mode."""
+        before = [SPECULATIVE] + self.modes
+        return sum(k > 0 and before[i] == PLAIN for i, k in enumerate(self.ks) if i >= start)
+
+
+def simulate(alpha, rounds: int, seed: int = 0, config: PolicyConfig = CONFIG, state=None) -> Run:
+    """alpha: a number, or a function of the round index."""
+    alpha_at = alpha if callable(alpha) else (lambda i: alpha)
+    rng, state = random.Random(seed), state or PolicyState()
+    ks, modes = [], []
+    for i in range(rounds):
+        k = next_k(state, config)
+        state = observe(state, cpu_round(k, draw_accepted(rng, alpha_at(i), k)), config)
+        ks.append(k)
+        modes.append(state.mode)
+    return Run(ks, modes, state)
+
+
+# --- the cost model ---------------------------------------------------------------------
+
+
+def test_expected_tokens():
+    assert expected_tokens(0.0, 4) == 1.0  # only the recovered token
+    assert expected_tokens(1.0, 4) == 5.0  # all K plus the bonus token
+    assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+    assert expected_tokens(0.83, 4) == pytest.approx((1 - 0.83**5) / 0.17)
+
+
+def test_verify_time_exact_then_linear_fit():
+    est = Estimates(verify_s=((0, 0.4), (4, 0.56)))
+    assert verify_time(est, 4) == 0.56
+    assert verify_time(est, 2) == pytest.approx(0.48)
+    assert verify_time(est, 8) == pytest.approx(0.72)
+    assert verify_time(Estimates(), 3) is None
+
+
+def test_verify_time_with_one_point_uses_the_prior_slope():
+    est = Estimates(verify_s=((4, 0.6),))
+    # verify(K) = verify(0)·(1 + 0.25·K) through the point: verify(0) = 0.6 / 2
+    assert verify_time(est, 0) == pytest.approx(0.3)
+    assert verify_time(est, 2) == pytest.approx(0.45)
+
+
+def test_verify_time_fit_never_slopes_down_nor_goes_below_a_batched_pass():
+    noisy = Estimates(verify_s=((2, 0.5), (4, 0.45)))  # timing noise: more positions looked cheaper
+    assert verify_time(noisy, 8) == pytest.approx(0.475)  # flat, not extrapolated downwards
+    steep = Estimates(verify_s=((1, 0.1), (3, 1.0)))  # the line would give a negative verify(0)
+    assert verify_time(steep, 0) == pytest.approx(1.0 / 4)  # 4 positions cost at most 4 single steps
+
+
+def test_predicted_speedup_by_hand():
+    est = measured(0.8)
+    tokens = 1 + 0.8 + 0.64  # E(0.8, 2)
+    round_s = 2 * 0.1 + 0.48 + 2 * 0.001  # two draft steps, verify(2) from the fit, two RPCs
+    plain_s = 0.4 + 0.001
+    assert predicted_speedup(est, 2) == pytest.approx(tokens / round_s * plain_s)
+    assert predicted_speedup(est, 2) == pytest.approx(1.4346, abs=1e-4)
+
+
+def test_best_k_grows_with_alpha():
+    chosen = {alpha: best_k(measured(alpha), CONFIG)[0] for alpha in (0.5, 0.7, 0.83, 0.95)}
+    assert chosen == {0.5: 1, 0.7: 2, 0.83: 3, 0.95: 7}
+    assert best_k(measured(0.95), PolicyConfig(max_k=5))[0] == 5  # within the request's bound
+
+
+def test_fallback_predicate():
+    assert should_fall_back(measured(0.0), CONFIG)  # S(1) = 0.74
+    assert not should_fall_back(measured(0.35), CONFIG)  # about break-even: S(1) = 1.00
+    assert not should_fall_back(measured(0.95), CONFIG)
+    nothing_timed = Estimates(alpha=0.0)
+    assert not should_fall_back(nothing_timed, CONFIG)  # a prior alone never switches speculation off
+    assert best_k(nothing_timed, CONFIG)[0] == 4 and math.isnan(best_k(nothing_timed, CONFIG)[1])
+
+
+# --- calibration and cold rounds --------------------------------------------------------
+
+
+def test_a_fresh_state_calibrates_with_plain_steps_then_speculates_with_default_k():
+    config = PolicyConfig(default_k=3)
+    state = PolicyState()
+    assert next_k(state, config) == 0  # round 1: the target prefills the prompt, its time says nothing
+    state = observe(state, RoundObservation(0, 0, 0.0, 2.5, RTT), config)
+    assert verify_time(state.estimates, 0) is None
+    assert next_k(state, config) == 0  # round 2 measures the plain step
+    state = observe(state, cpu_round(0, 0), config)
+    assert verify_time(state.estimates, 0) == pytest.approx(0.4)
+    assert next_k(state, config) == 3
+
+
+def test_a_drafting_round_after_a_plain_one_does_not_time_the_draft():
+    state = simulate(0.9, 2).state  # calibrated
+    state = observe(state, RoundObservation(4, 4, 3.0, 0.56, RTT), CONFIG)  # the draft caught up on the prompt
+    assert state.estimates.draft_step_s is None
+    assert state.estimates.alpha > 0.9  # acceptance still counts
+    state = observe(state, cpu_round(state.k, 2), CONFIG)
+    assert state.estimates.draft_step_s == pytest.approx(DRAFT_STEP)
+
+
+def test_rounds_marked_cold_teach_acceptance_only():
+    state = simulate(0.9, 6).state
+    before = state.estimates
+    cold = RoundObservation(state.k, 0, 9.0, 9.0, RTT, draft_cold=True, target_cold=True)
+    after = observe(state, cold, CONFIG).estimates
+    assert (after.draft_step_s, after.verify_s) == (before.draft_step_s, before.verify_s)
+    assert after.alpha < before.alpha
+
+
+def test_alpha_counts_only_the_drafts_the_target_judged():
+    """At K = 4 and α = 0.83 the mean of accepted / K is about 0.64; the estimate must not be."""
+    fixed = PolicyConfig(adaptive=False, default_k=4)
+    run = simulate(0.83, 400, seed=3, config=fixed)
+    assert run.state.estimates.alpha == pytest.approx(0.83, abs=0.08)
+
+
+# --- simulated sessions -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.02])
+def test_a_useless_draft_is_dropped_fast_and_probed_logarithmically(alpha):
+    run = simulate(alpha, 2 + 3 + 1000)  # calibration, at most 3 speculative rounds, 1000 more
+    first_plain = run.modes.index(PLAIN)
+    speculative_rounds = sum(k > 0 for k in run.ks[: first_plain + 1])
+    assert speculative_rounds <= 3
+    assert run.modes[first_plain:] == [PLAIN] * len(run.modes[first_plain:])  # never flips back
+    assert run.probes(first_plain + 1) <= 8  # 16 + 32 + 64 + 128 + 256 + 512 > 1000: 5 probes
+    assert run.state.fallbacks == 1
+
+
+def test_a_good_draft_stays_speculative_with_a_long_k():
+    run = simulate(0.95, 300)
+    assert run.state.fallbacks == 0 and PLAIN not in run.modes
+    late = run.ks[100:]
+    assert sum(late) / len(late) >= 5
+    assert min(late) >= 1 and max(late) <= CONFIG.max_k
+
+
+def test_k_follows_alpha():
+    def mean_k(alpha):
+        late = simulate(alpha, 300, seed=1).ks[50:]
+        return sum(late) / len(late)
+
+    assert mean_k(0.7) < mean_k(0.83) < mean_k(0.95)
+    assert 1.5 <= mean_k(0.7) <= 2.5
+
+
+def test_realistic_acceptance_never_falls_back():
+    for seed in range(3):
+        assert simulate(0.7, 1000, seed=seed).state.fallbacks == 0  # prose, S ≈ 1.29
+
+
+def test_a_draft_that_becomes_useful_is_taken_back_at_a_probe():
+    run = simulate(lambda i: 0.0 if i < 100 else 0.95, 400)
+    assert run.modes[99] == PLAIN and run.modes[-1] == SPECULATIVE
+    assert run.switches == 2
+
+
+def test_hysteresis_at_break_even():
+    """α wandering around break-even (S(1) = 1 at α ≈ 0.35): the mode must not flip-flop."""
+
+    def switches(config, seed):
+        noise = random.Random(100 + seed)
+        return simulate(lambda i: noise.uniform(0.25, 0.45), 2000, seed, config).switches
+
+    no_hysteresis = PolicyConfig(off_below=1.0, on_above=1.0, probe_every=1, probe_max=1)
+    for seed in range(3):
+        assert switches(CONFIG, seed) <= 10
+        assert switches(no_hysteresis, seed) > 5 * switches(CONFIG, seed)
+
+
+def test_a_short_stint_after_a_probe_counts_as_a_failed_probe():
+    state = PolicyState(mode=SPECULATIVE, k=1, estimates=measured(0.0), probe_interval=64, fallbacks=3, mode_rounds=2)
+    state = observe(state, cpu_round(1, 0), CONFIG)
+    assert (state.mode, state.probe_interval, state.plain_rounds_until_probe) == (PLAIN, 128, 128)
+    long_stint = dataclasses.replace(state, mode=SPECULATIVE, mode_rounds=200)
+    assert observe(long_stint, cpu_round(1, 0), CONFIG).probe_interval == CONFIG.probe_every
+
+
+def test_probe_schedule_in_plain_mode():
+    state = PolicyState(mode=PLAIN, estimates=measured(0.0), plain_rounds_until_probe=2, probe_interval=16)
+    ks = []
+    for _ in range(4):
+        ks.append(next_k(state, CONFIG))
+        state = observe(state, cpu_round(ks[-1], 0), CONFIG)
+    assert ks == [0, 0, CONFIG.default_k, 0]
+    assert (state.probe_interval, state.plain_rounds_until_probe) == (32, 31)
+
+
+# --- bounds, fixed K, purity ------------------------------------------------------------
+
+observations = st.lists(
+    st.tuples(
+        st.integers(0, 12),  # accepted, clipped to K below
+        st.floats(0.0, 2.0),  # draft seconds
+        st.floats(0.01, 3.0),  # verify seconds
+        st.floats(0.0, 0.05),  # rtt
+        st.booleans(),
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=100, deadline=None)
+@given(observations, st.integers(1, 12), st.integers(1, 12), st.booleans())
+def test_k_stays_within_bounds(rounds, max_k, default_k, adaptive):
+    config = PolicyConfig(max_k=max_k, default_k=default_k, adaptive=adaptive)
+    state = PolicyState(k=12)  # e.g. left by a request that allowed a larger K
+    for accepted, draft_s, verify_s, rtt, cold in rounds:
+        k = next_k(state, config)
+        if state.mode == SPECULATIVE and state.estimates.observations >= 2:
+            assert 1 <= k <= max_k
+            if not adaptive:
+                assert k == min(default_k, max_k)
+        assert 0 <= k <= max_k
+        state = observe(state, RoundObservation(k, min(accepted, k), draft_s, verify_s, rtt, cold), config)
+
+
+def test_fixed_k_keeps_k_but_still_falls_back():
+    fixed = PolicyConfig(adaptive=False, default_k=6, max_k=5)
+    good = simulate(0.95, 200, config=fixed)
+    assert set(good.ks[2:]) == {5}
+    useless = simulate(0.0, 50, config=fixed)
+    assert useless.state.fallbacks == 1
+
+
+def test_pure_and_deterministic():
+    state = simulate(0.8, 30).state
+    obs = cpu_round(3, 2)
+    assert observe(state, obs, CONFIG) == observe(state, obs, CONFIG)
+    assert simulate(0.6, 200, seed=7).ks == simulate(0.6, 200, seed=7).ks
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        state.k = 3  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (PolicyConfig(max_k=0), "max_k"),
+        (PolicyConfig(off_below=1.1, on_above=1.0), "off_below"),
+        (PolicyConfig(probe_every=0), "probe_every"),
+        (PolicyConfig(smoothing=0.0), "smoothing"),
+    ],
+)
+def test_config_validation_says_what_to_change(bad, message):
+    with pytest.raises(ValueError, match=message):
+        bad.validate()
+    PolicyConfig().validate()
