@@ -37,9 +37,12 @@ def main(argv: list[str] | None = None) -> None:
     for role, port in PORTS.items():
         settings.add(up, f"--{role}-port", type=int, default=port, help=f"{role} gRPC port")
     settings.add(up, "--draft-threads", type=int, help="torch threads of the draft service")
+    settings.add(up, "--draft-quantize", default="int8", help="int8 | none: the draft's weights (never the target's)")
     settings.add(up, "--target-threads", type=int, help="torch threads of the target service")
     settings.add(up, "--default-k", type=int, default=4, help="draft tokens per round")
     settings.add(up, "--redis-url", help="session store; default: start a local redis-server")
+    settings.add(up, "--draft-model-dir", type=Path, help="serve this draft instead of the fetched one")
+    settings.add(up, "--target-model-dir", type=Path, help="serve this target instead of the fetched one")
     up.set_defaults(run=cmd_up)
 
     gen = commands.add_parser("generate", help="generate from a prompt through the coordinator")
@@ -70,6 +73,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     from specd.models import fetch
 
     paths = fetch(args.models_dir)
+    paths = {role: getattr(args, f"{role}_model_dir") or path for role, path in paths.items()}
     with contextlib.ExitStack() as stack:
         redis_url = args.redis_url or stack.enter_context(LocalRedis(appendonly=True)).url
         return _run_services(args, paths, redis_url)
@@ -78,7 +82,10 @@ def cmd_up(args: argparse.Namespace) -> int:
 def _run_services(args: argparse.Namespace, paths: dict[str, Path], redis_url: str) -> int:
     addr = {role: f"{args.host}:{getattr(args, role + '_port')}" for role in PORTS}
     commands = {
-        "draft": _model_service("draft", paths["draft"], args.host, args.draft_port, args.draft_threads),
+        "draft": [
+            *_model_service("draft", paths["draft"], args.host, args.draft_port, args.draft_threads),
+            *("--quantize", args.draft_quantize),
+        ],
         "target": _model_service("target", paths["target"], args.host, args.target_port, args.target_threads),
         "coordinator": [
             *("-m", "services.coordinator", "--model-dir", str(paths["target"])),

@@ -23,6 +23,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
+from specd import kernels
+
 DTYPES = {
     "float32": torch.float32,
     "float64": torch.float64,
@@ -40,6 +42,8 @@ class EngineConfig:
     max_sessions: int = 64
     idle_evict_s: float = 5.0  # a session idle this long may be evicted (LRU) to make room
     max_context: int | None = None  # default: the model's max_position_embeddings
+    small_row_matmul: bool = True  # CPU: the fast path for 2-16 row linears (specd/kernels.py)
+    quantize: str = "none"  # "int8": dynamic int8 linears, CPU, for a draft model only (specd/kernels.py)
 
 
 class EngineError(Exception):
@@ -84,8 +88,18 @@ class ModelEngine:
         if config.threads is not None:
             torch.set_num_threads(config.threads)
         self.config = config
+        if config.quantize not in ("none", "int8"):
+            raise ValueError(f"quantize must be 'none' or 'int8', got {config.quantize!r}")
         model = AutoModelForCausalLM.from_pretrained(config.model_dir, dtype=DTYPES[config.dtype])
-        self.model = model.to(config.device).eval()
+        model = model.to(config.device).eval()
+        on_cpu = torch.device(config.device).type == "cpu"
+        if config.quantize == "int8":
+            if not on_cpu:
+                raise ValueError("quantize='int8' is a CPU option")
+            model = kernels.quantize_int8(model)
+        if config.small_row_matmul and on_cpu:
+            kernels.use_small_row_matmul(model)
+        self.model = model
         self.vocab_size: int = model.config.vocab_size
         self.eos_token_ids: frozenset[int] = frozenset(_eos_ids(model))
         self.max_context: int = config.max_context or model.config.max_position_embeddings

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import AsyncIterator, Awaitable, Callable, Protocol, Sequence, TypeVar
 
-from specd.policy import PolicyConfig, PolicyState, RoundObservation, next_k, observe
+from specd.policy import PolicyConfig, PolicyState, RoundObservation, inherit, next_k, observe
 from specd.sampling import SamplingParams
 from specd.session import ServiceCursor, SessionState, SessionStats, SessionStore
 from specd.stopping import Decode, StopChecker, StopRules
@@ -139,9 +139,13 @@ async def generate(
     decode: Decode,
     ephemeral: bool = True,
     on_round: Callable[[RoundRecord], None] | None = None,
+    owner: str = "",
 ) -> AsyncIterator[Chunk | Finished]:
-    """Run one request on a session. An ephemeral session is forgotten everywhere afterwards."""
+    """Run one request on a session. An ephemeral session is forgotten everywhere afterwards.
+    A new session records its `owner` and starts from the policy the deployment learned last."""
     lease, state = await services.store.begin(session_id, create=True)
+    if state.requests == 0:
+        state = await _start_from_prior(state, services.store, owner)
     committed = [*state.tokens, *request.prompt]
     stored = len(state.tokens)
     draft, target = _Cursor.of(state.draft), _Cursor.of(state.target)
@@ -199,11 +203,18 @@ async def generate(
             if emitted:
                 yield Chunk(emitted, text)
             if checker.finish_reason:
+                if request.fixed_k is None:
+                    await services.store.remember(state.policy)
                 yield Finished(checker.finish_reason, tuple(checker.token_ids), checker.text, stats, state)
                 return
     finally:
         if ephemeral:
             await _forget(session_id, services)
+
+
+async def _start_from_prior(state: SessionState, store: SessionStore, owner: str) -> SessionState:
+    prior = await store.prior()
+    return replace(state, owner=owner, policy=inherit(prior) if prior else state.policy)
 
 
 def _choose_k(request: GenerationRequest, policy: PolicyState) -> int:

@@ -45,6 +45,7 @@ SPECULATIVE, PLAIN = "speculative", "plain"
 CALIBRATION_ROUNDS = 2  # plain rounds a fresh state may spend measuring verify(0)
 PRIOR_DRAFTS = 2.0  # weight, in drafts, of the prior α: three rejections in a row outweigh it
 PRIOR_SLOPE = 0.25  # verify(K) ≈ verify(0)·(1 + PRIOR_SLOPE·K) when only one K is measured
+TIMING_EVIDENCE = CALIBRATION_ROUNDS + 3  # rounds before timings alone may switch speculation off
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,24 @@ class PolicyState:
     fallbacks: int = 0
     mode_rounds: int = 0  # rounds since the last switch (a short speculative stint = a failed probe)
     drafted_last_round: bool = False  # else the next drafting round is cold: the draft must catch up
+
+
+def inherit(prior: PolicyState) -> PolicyState:
+    """A new session's start from what the deployment learned last (the store keeps the latest
+    finished session's policy). Timings are properties of the deployment and carry over as they
+    are; acceptance depends on the text, so it comes back as a light prior (at most PRIOR_DRAFTS worth).
+    A deployment whose draft does not pay starts new sessions in plain mode, probing on the
+    schedule it had reached, so a useless draft is not re-tried at the start of every request."""
+    est = prior.estimates
+    weight = min(est.tested_count, PRIOR_DRAFTS) or PRIOR_DRAFTS
+    est = replace(est, accepted_count=est.alpha * weight, tested_count=weight)
+    return PolicyState(
+        mode=prior.mode,
+        k=prior.k,
+        estimates=est,
+        plain_rounds_until_probe=prior.probe_interval if prior.mode == PLAIN else 0,
+        probe_interval=prior.probe_interval,
+    )
 
 
 # --- the cost model ---------------------------------------------------------------------
@@ -170,8 +189,28 @@ def best_k(est: Estimates, config: PolicyConfig) -> tuple[int, float]:
 
 def should_fall_back(est: Estimates, config: PolicyConfig) -> bool:
     """Plain decoding is predicted to beat the best K by a margin. Never before the
-    comparison rests on measurements: a prior alone must not switch speculation off."""
-    return is_measured(est) and best_k(est, config)[1] < config.off_below
+    comparison rests on measurements: a prior alone must not switch speculation off.
+
+    Two kinds of evidence, trusted at different speeds. Acceptance alone can condemn a draft at
+    once: if even free verification (verify(K) = verify(0)) would not pay, no timing noise can
+    rescue it, and a useless draft is dropped within three rounds. A verdict that rests on
+    timings waits for TIMING_EVIDENCE rounds: the first measurements of a fresh session are the
+    noisiest (caches warming, the other service's threads still busy), and one slow verify
+    must not switch a good draft off."""
+    if not is_measured(est) or best_k(est, config)[1] >= config.off_below:
+        return False
+    return _hopeless(est, config) or est.observations >= TIMING_EVIDENCE
+
+
+def _hopeless(est: Estimates, config: PolicyConfig) -> bool:
+    """Even with verification as cheap as a plain step, no K would pay."""
+    plain_s = verify_time(est, 0)
+
+    def free_speedup(k: int) -> float:
+        round_s = k * est.draft_step_s + plain_s + 2 * est.rtt_s
+        return expected_tokens(est.alpha, k) * (plain_s + est.rtt_s) / round_s
+
+    return max(free_speedup(k) for k in range(1, config.max_k + 1)) < config.off_below
 
 
 # --- the state machine ------------------------------------------------------------------

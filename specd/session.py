@@ -101,3 +101,9 @@ class SessionStore(Protocol):
     async def get(self, session_id: str) -> SessionState | None:
         """Read without taking the session over (no epoch bump)."""
         ...
+
+    async def prior(self) -> PolicyState | None:
+        """The policy a new session starts from: what the deployment learned last."""
+        ...
+
+    async def remember(self, policy: PolicyState) -> None: ...

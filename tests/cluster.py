@@ -18,6 +18,7 @@ from specd.engine import EngineConfig, ModelEngine
 from services.common.server import start_server
 from services.coordinator import server as coordinator_server
 from services.coordinator.convert import Limits
+from services.coordinator.frontend import Frontend
 from services.coordinator.model_info import load_model_info
 from services.coordinator.store import RedisSessionStore
 from services.draft import server as draft_server
@@ -57,7 +58,8 @@ class Cluster:
             GrpcVerifier([f"127.0.0.1:{ports['target']}"]),
             RedisSessionStore(self.redis_url),
         )
-        self.coordinator_servicer = coordinator_server.CoordinatorServicer(self.services, self.model, self.limits)
+        self.frontend = Frontend(self.services, self.model, self.limits)
+        self.coordinator_servicer = coordinator_server.CoordinatorServicer(self.frontend)
         register = coordinator_server.register(self.coordinator_servicer)
         server, ports["coordinator"] = await start_server(register, "127.0.0.1:0")
         self.servers.append(server)

@@ -1,7 +1,9 @@
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from specd.tiny import build_tiny_pair
 from services.common.redis_server import LocalRedis
@@ -22,3 +24,17 @@ def redis_url() -> str:
     """A real redis-server for the whole run (sessions of different tests have distinct ids)."""
     with LocalRedis() as server:
         yield server.url
+
+
+def greedy_reference(target_dir: Path) -> Callable[[list[int], int], list[int]]:
+    """Greedy continuations by the target alone: HF `generate`, no EOS stop, float64."""
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float64)
+    model.generation_config.eos_token_id = None
+
+    def continuation(prompt_ids: list[int], n: int) -> list[int]:
+        ids = torch.tensor([prompt_ids])
+        # An explicit mask: otherwise generate treats prompt tokens equal to pad_token_id as padding.
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, pad_token_id=0)
+        return out[0, len(prompt_ids) :].tolist()
+
+    return continuation

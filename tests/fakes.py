@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from specd.loop import DraftReply, StaleSession, SyncPoint, VerifyReply
+from specd.policy import PolicyState
 from specd.sampling import SamplingParams
 from specd.session import Fenced, Lease, SessionNotFound, SessionState
 from specd.verify import Proposal, Verdict
@@ -96,6 +97,7 @@ class FakeStore:
 
     sessions: dict[str, tuple[int, SessionState]] = field(default_factory=dict)
     saves: int = 0
+    learned: PolicyState | None = None
 
     async def begin(self, session_id: str, create: bool) -> tuple[Lease, SessionState]:
         if session_id not in self.sessions and not create:
@@ -118,3 +120,9 @@ class FakeStore:
     async def get(self, session_id: str) -> SessionState | None:
         entry = self.sessions.get(session_id)
         return entry and entry[1]
+
+    async def prior(self) -> PolicyState | None:
+        return self.learned
+
+    async def remember(self, policy: PolicyState) -> None:
+        self.learned = policy

@@ -265,3 +265,31 @@ def test_failed_forward_resets_cache_but_keeps_tokens(tiny_pair, target, monkeyp
     target.sync("reset-ref", 0, PROMPT)
     expected = target.forward("reset-ref", [1, 2])
     torch.testing.assert_close(engine.forward("s", [1, 2]), expected, rtol=1e-4, atol=1e-4)
+
+
+# -- kernel paths ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 9, 16, 17])
+def test_small_row_matmul_is_the_same_arithmetic_as_f_linear(rows):
+    from specd.kernels import _small_rows_linear
+
+    layer = torch.nn.Linear(64, 48)
+    x = torch.randn(1, rows, 64, generator=torch.Generator().manual_seed(rows))
+    torch.testing.assert_close(_small_rows_linear(layer, x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+
+
+def test_engines_with_and_without_the_fast_path_agree(tiny_pair):
+    fast = ModelEngine(EngineConfig(tiny_pair[1]))
+    stock = ModelEngine(EngineConfig(tiny_pair[1], small_row_matmul=False))
+    for engine in (fast, stock):
+        engine.sync("k", 0, PROMPT)
+    torch.testing.assert_close(fast.forward("k", [1, 2, 3, 4]), stock.forward("k", [1, 2, 3, 4]), rtol=1e-4, atol=1e-4)
+
+
+def test_int8_draft_runs_and_bad_options_are_refused(tiny_pair):
+    draft = ModelEngine(EngineConfig(tiny_pair[0], quantize="int8"))
+    draft.sync("q", 0, PROMPT)
+    assert draft.forward("q", [1, 2]).shape == (3, draft.vocab_size)
+    with pytest.raises(ValueError, match="quantize"):
+        ModelEngine(EngineConfig(tiny_pair[0], quantize="int4"))

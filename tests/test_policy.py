@@ -305,3 +305,29 @@ def test_config_validation_says_what_to_change(bad, message):
     with pytest.raises(ValueError, match=message):
         bad.validate()
     PolicyConfig().validate()
+
+
+def test_one_slow_early_verify_does_not_switch_a_good_draft_off():
+    state = simulate(0.95, 2).state  # calibrated: verify(0) measured
+    state = observe(state, RoundObservation(4, 4, 0.4, 0.56, RTT), CONFIG)  # cold draft: acceptance only
+    slow = RoundObservation(4, 4, 0.4, 5 * PLAIN_STEP, RTT)  # a verify 5x a plain step: noise, not the truth
+    state = observe(state, slow, CONFIG)
+    assert should_fall_back(state.estimates, CONFIG) is False and state.mode == "speculative"
+    for _ in range(6):  # but timings that stay this bad are believed
+        state = observe(state, slow, CONFIG)
+    assert state.mode == PLAIN
+
+
+def test_a_new_session_inherits_timings_and_a_useless_drafts_verdict():
+    from specd.policy import inherit
+
+    learned = simulate(0.0, 2 + 3 + 100).state
+    assert learned.mode == PLAIN
+    fresh = inherit(learned)
+    assert fresh.mode == PLAIN and next_k(fresh, CONFIG) == 0  # no calibration, no re-trial at the start
+    assert fresh.plain_rounds_until_probe == learned.probe_interval and fresh.fallbacks == 0
+    assert fresh.estimates.verify_s == learned.estimates.verify_s
+    assert fresh.estimates.alpha == learned.estimates.alpha
+    assert fresh.estimates.tested_count <= 2.0  # acceptance is only a light prior
+    good = inherit(simulate(0.95, 50).state)
+    assert good.mode == "speculative" and next_k(good, CONFIG) == good.k >= 4  # straight to a measured K

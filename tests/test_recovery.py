@@ -12,12 +12,11 @@ import threading
 
 import grpc
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
 from services.common.redis_server import LocalRedis
 from services.coordinator.model_info import load_model_info
 from services.protogen.specd.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, draft_pb2_grpc, target_pb2_grpc
+from tests.conftest import greedy_reference
 from tests.procs import ServiceProcess, coordinator, model_service
 
 N_TOKENS = 240
@@ -30,15 +29,7 @@ def model(tiny_pair):
 
 @pytest.fixture(scope="module")
 def target_alone(tiny_pair):
-    hf = AutoModelForCausalLM.from_pretrained(tiny_pair[1], dtype=torch.float64)
-    hf.generation_config.eos_token_id = None
-
-    def continuation(prompt_ids: list[int], n: int) -> list[int]:
-        ids = torch.tensor([prompt_ids])
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, pad_token_id=0)
-        return out[0, len(prompt_ids) :].tolist()
-
-    return continuation
+    return greedy_reference(tiny_pair[1])
 
 
 @pytest.fixture

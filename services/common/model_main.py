@@ -25,6 +25,7 @@ def parse(role: str, default_port: int, argv: list[str] | None) -> argparse.Name
     settings.add(parser, "--dtype", default="float32", help="float32 | float64 | bfloat16 | float16")
     settings.add(parser, "--threads", type=int, help="torch threads (services on one host share cores)")
     settings.add(parser, "--max-sessions", type=int, default=64, help="KV caches kept; idle ones are evicted LRU")
+    settings.add(parser, "--quantize", default="none", help="none | int8 (CPU; for a draft only: it changes numerics)")
     args = parser.parse_args(argv)
     if args.model_dir is None:
         parser.error("--model-dir (or SPECD_MODEL_DIR) is required")
@@ -38,6 +39,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         dtype=args.dtype,
         threads=args.threads,
         max_sessions=args.max_sessions,
+        quantize=args.quantize,
     )
 
 

@@ -11,6 +11,7 @@ from specd.loop import Services
 from services.common import settings
 from services.common.server import run_until_signalled, start_server
 from services.coordinator.convert import Limits
+from services.coordinator.frontend import Frontend
 from services.coordinator.model_info import load_model_info
 from services.coordinator.server import CoordinatorServicer, register
 from services.coordinator.store import RedisSessionStore
@@ -48,7 +49,8 @@ async def serve(args: argparse.Namespace) -> None:
         GrpcVerifier(args.target_addr.split(",")),
         RedisSessionStore(args.redis_url, ttl_s=args.session_ttl_s),
     )
-    server, port = await start_server(register(CoordinatorServicer(services, model, limits)), f"{args.host}:{args.port}")
+    frontend = Frontend(services, model, limits)
+    server, port = await start_server(register(CoordinatorServicer(frontend)), f"{args.host}:{args.port}")
     log.info("coordinator on %s:%d (draft %s, target %s)", args.host, port, args.draft_addr, args.target_addr)
     try:
         await run_until_signalled(server)

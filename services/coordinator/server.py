@@ -5,17 +5,16 @@ Stateless: every session lives in the store (Redis), so any replica can serve an
 
 from __future__ import annotations
 
-import uuid
 from typing import AsyncIterator
 
 import grpc
 import redis.exceptions
 
-from specd.loop import Chunk, Finished, GenerationRequest, Services, generate
+from specd.loop import Chunk, Finished, GenerationRequest
 from specd.sampling import InvalidParams
-from specd.session import Fenced
+from specd.session import Fenced, SessionNotFound
 from services.coordinator import convert
-from services.coordinator.model_info import ModelInfo
+from services.coordinator.frontend import Frontend
 from services.protogen.specd.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 # Downstream failures the client can act on keep their code; anything else is ours.
@@ -23,8 +22,8 @@ PASSED_THROUGH = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTE
 
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
-    def __init__(self, services: Services, model: ModelInfo, limits: convert.Limits):
-        self.services, self.model, self.limits = services, model, limits
+    def __init__(self, frontend: Frontend):
+        self.frontend = frontend
 
     async def Generate(
         self, request: coordinator_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -48,17 +47,18 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
     async def GetSession(self, request: coordinator_pb2.SessionRequest, context: grpc.aio.ServicerContext):
         session_id = await self._session_id(request.session_id, context)
-        state = await self.services.store.get(session_id)
-        if state is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"no session {session_id!r} (released or expired)")
-        return convert.session_summary(state)
+        try:
+            return convert.session_summary(await self.frontend.session(session_id))
+        except SessionNotFound as e:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(e.args[0]))
 
     async def ReleaseSession(self, request: coordinator_pb2.SessionRequest, context: grpc.aio.ServicerContext):
         session_id = await self._session_id(request.session_id, context)
-        released = await self.services.store.delete(session_id)
-        await self.services.drafter.release(session_id)
-        await self.services.verifier.release(session_id)
-        return coordinator_pb2.ReleaseSessionResponse(released=released)
+        try:
+            await self.frontend.release(session_id)
+        except SessionNotFound as e:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(e.args[0]))
+        return coordinator_pb2.ReleaseSessionResponse(released=True)
 
     async def _session_id(self, value: str, context: grpc.aio.ServicerContext) -> str:
         try:
@@ -68,20 +68,21 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
     async def _validated(self, request, context: grpc.aio.ServicerContext) -> GenerationRequest:
         try:
-            return convert.generation_request(request, self.model, self.limits)
+            return convert.generation_request(request, self.frontend.model, self.frontend.limits)
         except InvalidParams as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
-    async def _events(self, generation: GenerationRequest, named: str, context) -> AsyncIterator[Chunk | Finished]:
-        session_id = named or uuid.uuid4().hex
+    async def _events(self, generation: GenerationRequest, session_id: str, context) -> AsyncIterator[Chunk | Finished]:
         try:
-            async for event in generate(generation, session_id, self.services, self.model.decode, ephemeral=not named):
+            async for event in self.frontend.generate(generation, session_id):
                 yield event
         except grpc.aio.AioRpcError as e:
             code = e.code() if e.code() in PASSED_THROUGH else grpc.StatusCode.INTERNAL
             await context.abort(code, f"model service failed: {e.code().name}: {e.details()}")
         except Fenced:
             await context.abort(grpc.StatusCode.ABORTED, f"session {session_id!r} was taken over by a newer request")
+        except SessionNotFound as e:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(e.args[0]))
         except redis.exceptions.ConnectionError as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"session store unreachable: {e}")
 

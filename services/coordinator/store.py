@@ -5,6 +5,8 @@ Two keys per session, hash-tagged on the session id so a Redis Cluster keeps the
   {prefix}:{<id>}:meta    hash: epoch (the lease's fencing token), state (JSON of SessionState minus tokens)
   {prefix}:{<id>}:tokens  string: committed token ids as little-endian uint32, append-only
 Each `begin` and `save` is one Lua script, so a save is all-or-nothing and checked against the epoch.
+One more key, {prefix}:policy-prior, holds the policy of the latest finished session: new sessions
+start from it (`specd.policy.inherit`).
 Redis errors other than fencing and a length mismatch propagate; the coordinator maps them.
 """
 
@@ -22,6 +24,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError, ResponseError, TimeoutError
 
+from specd.policy import PolicyState
 from specd.session import Fenced, Lease, SessionNotFound, SessionState
 
 # KEYS: meta, tokens. ARGV: create ("1"/"0"), ttl_ms. Returns nil (unknown id) or {epoch, state, tokens}.
@@ -101,6 +104,13 @@ class RedisSessionStore:
         if not exists:
             return None
         return decode_state(session_id, state_json or b"", token_bytes or b"")
+
+    async def prior(self) -> PolicyState | None:
+        raw = await self._redis.get(f"{self._prefix}:policy-prior")
+        return from_jsonable(PolicyState, json.loads(raw)) if raw else None
+
+    async def remember(self, policy: PolicyState) -> None:
+        await self._redis.set(f"{self._prefix}:policy-prior", json.dumps(dataclasses.asdict(policy)))
 
     async def close(self) -> None:
         await self._redis.aclose()

@@ -1,0 +1,50 @@
+"""CPU kernel paths for decoding-sized inputs.
+
+On this class of CPU, `F.linear` with 2-16 input rows is 2.5-4x slower than with one row
+(the BLAS repacks the weight on every call), which is exactly the shape of a speculative
+verification (K + 1 rows) and made it cost nearly K single steps. `W @ x.T` with `x`
+contiguous runs those row counts at close to one-row speed. It is the same arithmetic
+through another kernel; exactness of the target is then a matter of multi-row and
+single-row results agreeing, which tests/test_engine.py checks for every row count.
+
+Dynamic int8 quantisation is for the *draft* only: a quantised model's logits depend on how
+many tokens are processed together, so a K-token verification would no longer equal K single
+steps. For a draft that only changes acceptance, never the output.
+"""
+
+from __future__ import annotations
+
+import types
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SMALL_ROWS = 16
+
+
+def _small_rows_linear(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    rows = x.numel() // x.shape[-1]
+    if rows > SMALL_ROWS:
+        return F.linear(x, self.weight, self.bias)
+    y = (self.weight @ x.reshape(rows, x.shape[-1]).T).T  # [rows, out]
+    y = y.reshape(*x.shape[:-1], self.weight.shape[0])
+    return y if self.bias is None else y + self.bias
+
+
+def use_small_row_matmul(model: nn.Module) -> int:
+    """Route every float nn.Linear through the small-row path; returns how many were changed."""
+    changed = 0
+    for module in model.modules():
+        if type(module) is nn.Linear:
+            module.forward = types.MethodType(_small_rows_linear, module)
+            changed += 1
+    return changed
+
+
+def quantize_int8(model: nn.Module) -> nn.Module:
+    """Dynamic int8 weights for every nn.Linear (CPU). Draft models only: see the module docstring."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch's deprecation notice for quantised tensors
+        return torch.ao.quantization.quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8)
