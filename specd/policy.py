@@ -40,6 +40,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from specd.validation import validate_that
+
 SPECULATIVE, PLAIN = "speculative", "plain"
 
 CALIBRATION_ROUNDS = 2  # plain rounds a fresh state may spend measuring verify(0)
@@ -61,12 +63,12 @@ class PolicyConfig:
     alpha_window: int = 16  # rounds of evidence behind α (its counts decay by 1 - 1/alpha_window a round)
 
     def validate(self) -> None:
-        _validate_that(self.max_k >= 1, f"max_k must be >= 1, got {self.max_k}")
-        _validate_that(self.default_k >= 1, f"default_k must be >= 1, got {self.default_k}")
-        _validate_that(self.off_below <= self.on_above, "off_below must not exceed on_above")
-        _validate_that(1 <= self.probe_every <= self.probe_max, "need 1 <= probe_every <= probe_max")
-        _validate_that(0.0 < self.smoothing <= 1.0, f"smoothing must be in (0, 1], got {self.smoothing}")
-        _validate_that(self.alpha_window >= 1, f"alpha_window must be >= 1, got {self.alpha_window}")
+        validate_that(self.max_k >= 1, f"max_k must be >= 1, got {self.max_k}")
+        validate_that(self.default_k >= 1, f"default_k must be >= 1, got {self.default_k}")
+        validate_that(self.off_below <= self.on_above, "off_below must not exceed on_above")
+        validate_that(1 <= self.probe_every <= self.probe_max, "need 1 <= probe_every <= probe_max")
+        validate_that(0.0 < self.smoothing <= 1.0, f"smoothing must be in (0, 1], got {self.smoothing}")
+        validate_that(self.alpha_window >= 1, f"alpha_window must be >= 1, got {self.alpha_window}")
 
 
 @dataclass(frozen=True)
@@ -326,8 +328,3 @@ def _learn_verify(verify_s: tuple[tuple[int, float], ...], k: int, seconds: floa
 
 def _ewma(old: float, new: float, w: float) -> float:
     return old + w * (new - old)
-
-
-def _validate_that(condition: bool, message: str) -> None:
-    if not condition:
-        raise ValueError(message)

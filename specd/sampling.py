@@ -14,16 +14,9 @@ from typing import Sequence
 
 import torch
 
+from specd.validation import validate_that
+
 MAX_TOP_K = 1 << 20
-
-
-class InvalidParams(ValueError):
-    """A sampling parameter is out of range; the message says which and why."""
-
-
-def _validate_that(condition: bool, message: str) -> None:
-    if not condition:
-        raise InvalidParams(message)
 
 
 @dataclass(frozen=True)
@@ -38,10 +31,10 @@ class SamplingParams:
         return self.temperature == 0.0
 
     def validate(self) -> "SamplingParams":
-        _validate_that(0.0 <= self.temperature <= 100.0, "temperature must be in [0, 100] (0 = greedy)")
-        _validate_that(0 <= self.top_k <= MAX_TOP_K, f"top_k must be in [0, {MAX_TOP_K}] (0 = off)")
-        _validate_that(0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]")
-        _validate_that(0 <= self.seed < 2**63, "seed must be in [0, 2^63)")
+        validate_that(0.0 <= self.temperature <= 100.0, "temperature must be in [0, 100] (0 = greedy)")
+        validate_that(0 <= self.top_k <= MAX_TOP_K, f"top_k must be in [0, {MAX_TOP_K}] (0 = off)")
+        validate_that(0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]")
+        validate_that(0 <= self.seed < 2**63, "seed must be in [0, 2^63)")
         return self
 
 

@@ -2,7 +2,8 @@ import pytest
 import torch
 
 from specd import sparse
-from specd.sampling import InvalidParams, SamplingParams, warp
+from specd.sampling import SamplingParams, warp
+from specd.validation import InvalidParams
 
 
 def test_warp_temperature_top_k_top_p():

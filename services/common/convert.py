@@ -8,6 +8,7 @@ from specd.sampling import SamplingParams
 from services.protogen.specd.v1 import common_pb2
 
 MAX_SESSION_ID = 128
+MAX_K = 32  # draft tokens per round a model service accepts
 
 
 def session_id(value: str) -> str:

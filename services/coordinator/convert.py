@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 from specd.loop import Finished, GenerationRequest
 from specd.policy import PolicyConfig
-from specd.sampling import InvalidParams, SamplingParams
+from specd.sampling import SamplingParams
+from specd.validation import validate_that
 from specd.session import SessionState, SessionStats
 from specd.stopping import StopRules
 from services.coordinator.model_info import ModelInfo
@@ -31,35 +32,30 @@ class Limits:
 SESSION_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
-def _validate_that(condition: bool, message: str) -> None:
-    if not condition:
-        raise InvalidParams(message)
-
-
 def session_id(value: str) -> str:
-    _validate_that(SESSION_ID.fullmatch(value) is not None, "session_id must be 1..128 of A-Z a-z 0-9 . _ : -")
+    validate_that(SESSION_ID.fullmatch(value) is not None, "session_id must be 1..128 of A-Z a-z 0-9 . _ : -")
     return value
 
 
 def generation_request(msg: coordinator_pb2.GenerateRequest, model: ModelInfo, limits: Limits) -> GenerationRequest:
     prompt = _prompt(msg, model, limits)
     max_tokens = msg.max_tokens if msg.HasField("max_tokens") else limits.default_max_tokens
-    _validate_that(0 < max_tokens <= limits.max_tokens, f"max_tokens must be in [1, {limits.max_tokens}]")
-    _validate_that(
+    validate_that(0 < max_tokens <= limits.max_tokens, f"max_tokens must be in [1, {limits.max_tokens}]")
+    validate_that(
         len(prompt) + max_tokens <= model.max_context,
         f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds the model's context of {model.max_context}",
     )
     fixed_k = _fixed_k(msg, limits)
     max_k = msg.max_draft_tokens if msg.HasField("max_draft_tokens") else limits.max_k
-    _validate_that(1 <= max_k <= limits.max_k, f"max_draft_tokens must be in [1, {limits.max_k}]")
+    validate_that(1 <= max_k <= limits.max_k, f"max_draft_tokens must be in [1, {limits.max_k}]")
     if msg.session_id:
         session_id(msg.session_id)
-    _validate_that(len(msg.stop) <= limits.max_stop_strings, f"at most {limits.max_stop_strings} stop strings")
-    _validate_that(
+    validate_that(len(msg.stop) <= limits.max_stop_strings, f"at most {limits.max_stop_strings} stop strings")
+    validate_that(
         all(0 < len(s) <= limits.max_stop_chars for s in msg.stop),
         f"stop strings must be 1..{limits.max_stop_chars} characters",
     )
-    _validate_that(msg.top_k >= 0, "top_k must be >= 0 (0 = off)")
+    validate_that(msg.top_k >= 0, "top_k must be >= 0 (0 = off)")
     params = SamplingParams(
         temperature=msg.temperature,
         top_k=msg.top_k,
@@ -78,22 +74,22 @@ def _fixed_k(msg: coordinator_pb2.GenerateRequest, limits: Limits) -> int | None
         return 0
     if not msg.HasField("num_draft_tokens"):
         return None
-    _validate_that(1 <= msg.num_draft_tokens <= limits.max_k, f"num_draft_tokens (K) must be in [1, {limits.max_k}]")
+    validate_that(1 <= msg.num_draft_tokens <= limits.max_k, f"num_draft_tokens (K) must be in [1, {limits.max_k}]")
     return msg.num_draft_tokens
 
 
 def _prompt(msg: coordinator_pb2.GenerateRequest, model: ModelInfo, limits: Limits) -> list[int]:
     kind = msg.WhichOneof("prompt")
-    _validate_that(kind is not None, "a prompt is required: set `text` or `token_ids`")
+    validate_that(kind is not None, "a prompt is required: set `text` or `token_ids`")
     if kind == "text":
-        _validate_that(0 < len(msg.text) <= limits.max_prompt_chars, f"text must be 1..{limits.max_prompt_chars} characters")
+        validate_that(0 < len(msg.text) <= limits.max_prompt_chars, f"text must be 1..{limits.max_prompt_chars} characters")
         prompt = model.encode(msg.text)
     else:
         prompt = list(msg.token_ids.ids)
-        _validate_that(
+        validate_that(
             all(0 <= t < model.vocab_size for t in prompt), f"token_ids must be in [0, {model.vocab_size})"
         )
-    _validate_that(0 < len(prompt) <= limits.max_prompt_tokens, f"the prompt must be 1..{limits.max_prompt_tokens} tokens")
+    validate_that(0 < len(prompt) <= limits.max_prompt_tokens, f"the prompt must be 1..{limits.max_prompt_tokens} tokens")
     return prompt
 
 

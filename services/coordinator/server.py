@@ -11,7 +11,7 @@ import grpc
 import redis.exceptions
 
 from specd.loop import Chunk, Finished, GenerationRequest
-from specd.sampling import InvalidParams
+from specd.validation import InvalidParams
 from specd.session import Fenced, SessionNotFound
 from services.coordinator import convert
 from services.coordinator.frontend import Frontend

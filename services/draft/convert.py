@@ -10,8 +10,6 @@ from specd.verify import Proposal
 from services.common import convert as common
 from services.protogen.specd.v1 import draft_pb2
 
-MAX_K = 32
-
 
 @dataclass(frozen=True)
 class ProposeCall:
@@ -22,8 +20,8 @@ class ProposeCall:
 
 
 def propose_call(msg: draft_pb2.ProposeRequest) -> ProposeCall:
-    if not 1 <= msg.k <= MAX_K:
-        raise ValueError(f"k must be in [1, {MAX_K}]")
+    if not 1 <= msg.k <= common.MAX_K:
+        raise ValueError(f"k must be in [1, {common.MAX_K}]")
     return ProposeCall(
         common.session_id(msg.session_id), common.sync_from_proto(msg.sync), msg.k, common.params_from_proto(msg.sampling)
     )

@@ -11,8 +11,6 @@ from specd.verify import Verdict
 from services.common import convert as common
 from services.protogen.specd.v1 import target_pb2
 
-MAX_K = 32
-
 
 @dataclass(frozen=True)
 class VerifyCall:
@@ -23,8 +21,8 @@ class VerifyCall:
 
 
 def verify_call(msg: target_pb2.VerifyRequest) -> VerifyCall:
-    if len(msg.draft_tokens) > MAX_K:
-        raise ValueError(f"at most {MAX_K} draft tokens per round")
+    if len(msg.draft_tokens) > common.MAX_K:
+        raise ValueError(f"at most {common.MAX_K} draft tokens per round")
     return VerifyCall(
         common.session_id(msg.session_id),
         common.sync_from_proto(msg.sync),
