@@ -23,7 +23,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 @contextmanager
 def specd_up(*flags: str, timeout_s: float = 600):
     """Start draft + target + coordinator (+ Redis) on free ports; yield a coordinator stub."""
-    ports = {role: free_port() for role in ("coordinator", "draft", "target")}
+    ports = {role: free_port() for role in ("coordinator", "draft", "target", "http", "draft-metrics", "target-metrics")}
     port_flags = [arg for role, port in ports.items() for arg in (f"--{role}-port", str(port))]
     proc = subprocess.Popen(
         [sys.executable, "-m", "services.cli", "up", *port_flags, *flags],

@@ -1,5 +1,6 @@
 """Fallback benchmark: with a useless draft, speculation must switch itself off and cost
-at most 10 % against plain decoding; with the real pair on code it must stay on.
+at most 10 % against plain decoding; with the real pair on code prompts it must stay on
+(no fallback at all).
 
 Requests run one after another on one deployment, as a server sees them: the first one
 pays for discovering that the draft is useless; later ones start from what the deployment
@@ -29,6 +30,11 @@ PROMPTS = {
     "prose": "The history of the printing press begins",
     "chat": "Q: What should I pack for a weekend hiking trip?\nA:",
 }
+CODE_PROMPTS = {
+    "code": PROMPTS["code"],
+    "code_http": "import json\nfrom http.server import BaseHTTPRequestHandler\n\nclass Handler(BaseHTTPRequestHandler):",
+    "code_tests": "import unittest\n\ndef is_palindrome(s: str) -> bool:",
+}
 
 
 def random_draft() -> str:
@@ -45,8 +51,7 @@ def random_draft() -> str:
     return str(out)
 
 
-def compare(stub, prompt_name: str, tokens: int) -> dict:
-    prompt = PROMPTS[prompt_name]
+def compare(stub, prompt_name: str, prompt: str, tokens: int) -> dict:
     plain = timed(stub, "plain", prompt, tokens, speculation=False)
     adaptive = timed(stub, "adaptive", prompt, tokens)
     if adaptive.token_ids != plain.token_ids:
@@ -74,10 +79,11 @@ def main() -> None:
     fetch()
     result = {"machine": machine(), "tokens": args.tokens}
     with specd_up("--draft-model-dir", random_draft()) as stub:
-        result["useless_draft"] = [compare(stub, name, args.tokens) for name in PROMPTS]
+        result["useless_draft"] = [compare(stub, name, text, args.tokens) for name, text in PROMPTS.items()]
     result["useless_draft_overall_ratio"] = overall(result["useless_draft"])
-    with specd_up() as stub:
-        result["real_pair_code"] = compare(stub, "code", args.tokens)
+    with specd_up() as stub:  # the first code request starts with no learned prior
+        result["real_pair_code"] = [compare(stub, name, text, args.tokens) for name, text in CODE_PROMPTS.items()]
+    result["real_pair_code_overall_ratio"] = overall(result["real_pair_code"])
     path = write("fallback", result)
     print(json.dumps({k: v for k, v in result.items() if k != "machine"}, indent=2))
     print(f"wrote {path}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -15,10 +16,12 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common import settings
+from services.common.phoenix import PROJECT, LocalPhoenix
 from services.common.redis_server import LocalRedis
 from services.protogen.specd.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 PORTS = {"coordinator": 50051, "draft": 50052, "target": 50053}
+METRICS_PORTS = {"draft": 9101, "target": 9102}  # Prometheus /metrics of the model services
 READY_TIMEOUT_S = 600.0
 
 
@@ -36,13 +39,18 @@ def main(argv: list[str] | None = None) -> None:
     settings.add(up, "--host", default="127.0.0.1", help="address the services bind")
     for role, port in PORTS.items():
         settings.add(up, f"--{role}-port", type=int, default=port, help=f"{role} gRPC port")
+    for role, port in METRICS_PORTS.items():
+        settings.add(up, f"--{role}-metrics-port", type=int, default=port, help=f"{role} /metrics port (0: off)")
     settings.add(up, "--draft-threads", type=int, help="torch threads of the draft service")
     settings.add(up, "--draft-quantize", default="int8", help="int8 | none: the draft's weights (never the target's)")
     settings.add(up, "--target-threads", type=int, help="torch threads of the target service")
     settings.add(up, "--default-k", type=int, default=4, help="draft tokens per round")
     settings.add(up, "--redis-url", help="session store; default: start a local redis-server")
+    settings.add(up, "--http-port", type=int, default=8000, help="REST (OpenAI-compatible) port; -1: no REST")
+    settings.add(up, "--api-keys-file", type=Path, help="API keys, one `name:key` a line (unset: no auth)")
     settings.add(up, "--draft-model-dir", type=Path, help="serve this draft instead of the fetched one")
     settings.add(up, "--target-model-dir", type=Path, help="serve this target instead of the fetched one")
+    up.add_argument("--tracing", action="store_true", help="start a local Phoenix and send every service's spans to it")
     up.set_defaults(run=cmd_up)
 
     gen = commands.add_parser("generate", help="generate from a prompt through the coordinator")
@@ -76,7 +84,16 @@ def cmd_up(args: argparse.Namespace) -> int:
     paths = {role: getattr(args, f"{role}_model_dir") or path for role, path in paths.items()}
     with contextlib.ExitStack() as stack:
         redis_url = args.redis_url or stack.enter_context(LocalRedis(appendonly=True)).url
+        if args.tracing:
+            _start_tracing(stack)
         return _run_services(args, paths, redis_url)
+
+
+def _start_tracing(stack: contextlib.ExitStack) -> None:
+    """A local Phoenix for this run; the services inherit the OTLP settings that point at it."""
+    phoenix = stack.enter_context(LocalPhoenix())
+    os.environ.update(phoenix.otel_env())
+    print(f"tracing: Phoenix UI at {phoenix.url} (project {PROJECT})", flush=True)
 
 
 def _run_services(args: argparse.Namespace, paths: dict[str, Path], redis_url: str) -> int:
@@ -93,6 +110,11 @@ def _run_services(args: argparse.Namespace, paths: dict[str, Path], redis_url: s
             *("--draft-addr", addr["draft"], "--target-addr", addr["target"], "--redis-url", redis_url),
         ],
     }
+    for role in METRICS_PORTS:
+        commands[role] += ["--metrics-port", str(getattr(args, f"{role}_metrics_port"))]
+    commands["coordinator"] += ["--http-port", str(args.http_port)]
+    if args.api_keys_file:
+        commands["coordinator"] += ["--api-keys-file", str(args.api_keys_file)]
     procs = {role: subprocess.Popen([sys.executable, *cmd]) for role, cmd in commands.items()}
     stopping = False
 
@@ -109,6 +131,8 @@ def _run_services(args: argparse.Namespace, paths: dict[str, Path], redis_url: s
             f"sessions in {redis_url})",
             flush=True,
         )
+        if args.http_port >= 0:
+            print(f"REST (OpenAI-compatible): http://{args.host}:{args.http_port}/v1, metrics at /metrics", flush=True)
         while not stopping and all(p.poll() is None for p in procs.values()):
             time.sleep(0.2)
         failed = [role for role, p in procs.items() if p.poll() not in (None, 0)]

@@ -124,6 +124,10 @@ class ModelEngine:
     def session_count(self) -> int:
         return len(self._sessions)
 
+    def cached_tokens(self) -> int:
+        """Positions held in the KV caches of all sessions (pending tokens not included)."""
+        return sum(session.cache.get_seq_length() for session in self._sessions.values())
+
     # -- updates ------------------------------------------------------------------------------
 
     def sync(self, session_id: str, start_pos: int, tokens: Sequence[int]) -> int:

@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass, replace
 from typing import AsyncIterator, Awaitable, Callable, Protocol, Sequence, TypeVar
 
+from opentelemetry import trace
+
 from specd.policy import PolicyConfig, PolicyState, RoundObservation, inherit, next_k, observe
 from specd.sampling import SamplingParams
 from specd.session import ServiceCursor, SessionState, SessionStats, SessionStore
@@ -23,6 +25,7 @@ from specd.verify import Proposal, Verdict
 
 EMPTY_PROPOSAL = Proposal((), ())
 T = TypeVar("T")
+tracer = trace.get_tracer(__name__)  # the vendor-neutral API: a no-op until a service installs a provider
 
 
 @dataclass(frozen=True)
@@ -154,49 +157,54 @@ async def generate(
     state = replace(state, requests=state.requests + 1)
     try:
         while True:
-            n = len(committed)
-            remaining = request.rules.max_tokens - len(checker.token_ids)
-            k = min(_choose_k(request, state.policy), remaining - 1)  # a round commits at most k + 1 tokens
-            resyncs = draft.resyncs + target.resyncs
-            # 1. draft
-            drafting = None
-            if k > 0:
-                drafting = await _call(
-                    draft, committed, lambda s: services.drafter.propose(session_id, s, k, request.params)
+            # The span ends before the round yields: a span left current across a yield would leak
+            # into whatever the consumer does in between.
+            with tracer.start_as_current_span("speculation.round") as span:
+                n = len(committed)
+                remaining = request.rules.max_tokens - len(checker.token_ids)
+                k = min(_choose_k(request, state.policy), remaining - 1)  # a round commits at most k + 1 tokens
+                resyncs = draft.resyncs + target.resyncs
+                # 1. draft
+                drafting = None
+                if k > 0:
+                    drafting = await _call(
+                        draft, committed, lambda s: services.drafter.propose(session_id, s, k, request.params)
+                    )
+                drafted: DraftReply | None = drafting and drafting.reply
+                proposal = drafted.proposal if drafted else EMPTY_PROPOSAL
+                # 2. verify
+                verifying = await _call(
+                    target, committed, lambda s: services.verifier.verify(session_id, s, proposal, request.params)
                 )
-            drafted: DraftReply | None = drafting and drafting.reply
-            proposal = drafted.proposal if drafted else EMPTY_PROPOSAL
-            # 2. verify
-            verifying = await _call(
-                target, committed, lambda s: services.verifier.verify(session_id, s, proposal, request.params)
-            )
-            verified: VerifyReply = verifying.reply
-            a = verified.verdict.num_accepted
-            # 3. commit what the stop rules let through
-            emitted, text = _apply_stop_rules(checker, proposal.tokens[:a] + (verified.verdict.next_token,))
-            committed.extend(emitted)
-            # 4. rollback: pure bookkeeping; the draft's valid prefix ends after the accepted drafts
-            if drafted:
-                draft.position, draft.instance_id = min(n + a, len(committed)), drafted.instance_id
-            target.position, target.instance_id = min(verified.position, len(committed)), verified.instance_id
-            # 5. learn: acceptance and timings feed the K / fallback policy
-            policy = state.policy
-            if request.fixed_k is None:
-                policy = observe(policy, _observation(k, a, drafting, verifying), request.policy)
-            round_stats = SessionStats().record(
-                k, a, policy.fallbacks - state.policy.fallbacks, draft.resyncs + target.resyncs - resyncs
-            )
-            stats += round_stats
-            state = replace(
-                state,
-                tokens=tuple(committed),
-                draft=draft.frozen(),
-                target=target.frozen(),
-                policy=policy,
-                stats=state.stats + round_stats,
-            )
-            # 6. persist (fenced: fails if another coordinator took the session over), then emit
-            await services.store.save(lease, state, appended_from=stored)
+                verified: VerifyReply = verifying.reply
+                a = verified.verdict.num_accepted
+                # 3. commit what the stop rules let through
+                emitted, text = _apply_stop_rules(checker, proposal.tokens[:a] + (verified.verdict.next_token,))
+                committed.extend(emitted)
+                # 4. rollback: pure bookkeeping; the draft's valid prefix ends after the accepted drafts
+                if drafted:
+                    draft.position, draft.instance_id = min(n + a, len(committed)), drafted.instance_id
+                target.position, target.instance_id = min(verified.position, len(committed)), verified.instance_id
+                # 5. learn: acceptance and timings feed the K / fallback policy
+                policy = state.policy
+                observation = _observation(k, a, drafting, verifying)
+                if request.fixed_k is None:
+                    policy = observe(policy, observation, request.policy)
+                round_stats = SessionStats().record(
+                    k, a, policy.fallbacks - state.policy.fallbacks, draft.resyncs + target.resyncs - resyncs
+                )
+                span.set_attributes(_round_attributes(stats.rounds, observation, len(committed), policy.mode))
+                stats += round_stats
+                state = replace(
+                    state,
+                    tokens=tuple(committed),
+                    draft=draft.frozen(),
+                    target=target.frozen(),
+                    policy=policy,
+                    stats=state.stats + round_stats,
+                )
+                # 6. persist (fenced: fails if another coordinator took the session over), then emit
+                await services.store.save(lease, state, appended_from=stored)
             stored = len(committed)
             if on_round:
                 on_round(RoundRecord(k, a, len(committed), drafted and drafted.position, verified.position, policy.mode))
@@ -215,6 +223,19 @@ async def generate(
 async def _start_from_prior(state: SessionState, store: SessionStore, owner: str) -> SessionState:
     prior = await store.prior()
     return replace(state, owner=owner, policy=inherit(prior) if prior else state.policy)
+
+
+def _round_attributes(index: int, seen: RoundObservation, committed: int, mode: str) -> dict[str, int | float | str]:
+    return {
+        "specd.round": index,
+        "specd.k": seen.k,
+        "specd.accepted": seen.accepted,
+        "specd.committed_length": committed,
+        "specd.mode": mode,
+        "specd.draft_s": seen.draft_s,
+        "specd.verify_s": seen.verify_s,
+        "specd.rtt_s": seen.rtt_s,
+    }
 
 
 def _choose_k(request: GenerationRequest, policy: PolicyState) -> int:
@@ -275,12 +296,20 @@ async def _call(cursor: _Cursor, committed: Sequence[int], call: Callable[[SyncP
     return _Called(reply, time.perf_counter() - start, len(sync.tokens))
 
 
+_forgetting: set[asyncio.Future] = set()  # releases still running after their request was cancelled
+
+
 async def _forget(session_id: str, services: Services) -> None:
     """Free both caches and the stored session. Best effort: an unreleased cache is evicted
-    once idle and a stored session expires, and a failure here must not mask the outcome."""
-    await asyncio.gather(
+    once idle and a stored session expires, and a failure here must not mask the outcome.
+    Shielded: a request cancelled (client gone, deadline passed) is exactly the one whose
+    caches must still be freed, and its own task may be cancelled again while it waits."""
+    releases = asyncio.gather(
         services.drafter.release(session_id),
         services.verifier.release(session_id),
         services.store.delete(session_id),
         return_exceptions=True,
     )
+    _forgetting.add(releases)
+    releases.add_done_callback(_forgetting.discard)
+    await asyncio.shield(releases)

@@ -48,6 +48,7 @@ CALIBRATION_ROUNDS = 2  # plain rounds a fresh state may spend measuring verify(
 PRIOR_DRAFTS = 2.0  # weight, in drafts, of the prior α: three rejections in a row outweigh it
 PRIOR_SLOPE = 0.25  # verify(K) ≈ verify(0)·(1 + PRIOR_SLOPE·K) when only one K is measured
 TIMING_EVIDENCE = CALIBRATION_ROUNDS + 3  # rounds before timings alone may switch speculation off
+MIN_JUDGED = 16  # drafts judged in this session before timings alone may switch speculation off
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,7 @@ class Estimates:
     observations: int = 0
     accepted_count: float = 0.0  # decayed count of accepted drafts; alpha = accepted_count / tested_count
     tested_count: float = 0.0  # decayed count of drafts the target judged (accepted + 1 unless all passed)
+    judged: int = 0  # drafts the target judged in this session (not decayed, not inherited)
 
 
 @dataclass(frozen=True)
@@ -113,7 +115,7 @@ def inherit(prior: PolicyState) -> PolicyState:
     schedule it had reached, so a useless draft is not re-tried at the start of every request."""
     est = prior.estimates
     weight = min(est.tested_count, PRIOR_DRAFTS) or PRIOR_DRAFTS
-    est = replace(est, accepted_count=est.alpha * weight, tested_count=weight)
+    est = replace(est, accepted_count=est.alpha * weight, tested_count=weight, judged=0)
     return PolicyState(
         mode=prior.mode,
         k=prior.k,
@@ -195,13 +197,18 @@ def should_fall_back(est: Estimates, config: PolicyConfig) -> bool:
 
     Two kinds of evidence, trusted at different speeds. Acceptance alone can condemn a draft at
     once: if even free verification (verify(K) = verify(0)) would not pay, no timing noise can
-    rescue it, and a useless draft is dropped within three rounds. A verdict that rests on
+    rescue it, and a useless draft is dropped within five rounds. A verdict that rests on
     timings waits for TIMING_EVIDENCE rounds: the first measurements of a fresh session are the
     noisiest (caches warming, the other service's threads still busy), and one slow verify
-    must not switch a good draft off."""
+    must not switch a good draft off; nor may a few unlucky rounds of a good one: at α = 0.8,
+    two rounds of 0/4 right after the prompt happen 4 % of the time and read as α = 0.33, so
+    the timing verdict also waits for MIN_JUDGED drafts judged in this session. A useless
+    draft does not wait for it (acceptance alone condemns it within five rounds); a mediocre
+    one pays up to MIN_JUDGED drafts once per deployment (later sessions inherit the verdict)."""
     if not is_measured(est) or best_k(est, config)[1] >= config.off_below:
         return False
-    return _hopeless(est, config) or est.observations >= TIMING_EVIDENCE
+    enough_evidence = est.observations >= TIMING_EVIDENCE and est.judged >= MIN_JUDGED
+    return _hopeless(est, config) or enough_evidence
 
 
 def _hopeless(est: Estimates, config: PolicyConfig) -> bool:
@@ -290,7 +297,7 @@ def _learn(
 ) -> Estimates:
     """Update the estimates from one round: α from decayed counts, timings by EWMA (a first
     measurement is taken as is); a cold service's timing is skipped."""
-    accepted_count, tested_count = _learn_acceptance(est, obs, config.alpha_window)
+    accepted_count, tested_count, judged = _learn_acceptance(est, obs, config.alpha_window)
     alpha = accepted_count / tested_count if tested_count > 0 else est.alpha
     w = config.smoothing
     draft_step = est.draft_step_s
@@ -299,10 +306,12 @@ def _learn(
         draft_step = step if draft_step is None else _ewma(draft_step, step, w)
     verify_s = est.verify_s if target_cold else _learn_verify(est.verify_s, obs.k, obs.verify_s, w)
     rtt = obs.rtt_s if est.observations == 0 else _ewma(est.rtt_s, obs.rtt_s, w)
-    return Estimates(alpha, draft_step, verify_s, rtt, est.observations + 1, accepted_count, tested_count)
+    return Estimates(
+        alpha, draft_step, verify_s, rtt, est.observations + 1, accepted_count, tested_count, est.judged + judged
+    )
 
 
-def _learn_acceptance(est: Estimates, obs: RoundObservation, window: int) -> tuple[float, float]:
+def _learn_acceptance(est: Estimates, obs: RoundObservation, window: int) -> tuple[float, float, int]:
     """α is accepted / tested over decayed counts, not the mean of accepted / K: drafts after
     the first rejection were never judged, so accepted / K would read α = 0.83 at K = 4 as
     0.64; E[accepted] = α·E[tested] (Wald's identity), so accepted / tested converges to α.
@@ -317,7 +326,7 @@ def _learn_acceptance(est: Estimates, obs: RoundObservation, window: int) -> tup
         accepted, tested = est.alpha * PRIOR_DRAFTS, PRIOR_DRAFTS
     keep = 1.0 - 1.0 / window
     judged = obs.accepted + (1 if obs.accepted < obs.k else 0)
-    return accepted * keep + obs.accepted, tested * keep + judged
+    return accepted * keep + obs.accepted, tested * keep + judged, judged
 
 
 def _learn_verify(verify_s: tuple[tuple[int, float], ...], k: int, seconds: float, w: float):

@@ -17,7 +17,9 @@ from specd.loop import Services
 from specd.engine import EngineConfig, ModelEngine
 from services.common.server import start_server
 from services.coordinator import server as coordinator_server
-from services.coordinator.convert import Limits
+from services.coordinator.auth import ApiKeys
+from services.coordinator.gateway import HttpServer, create_app
+from services.coordinator.requests import Limits
 from services.coordinator.frontend import Frontend
 from services.coordinator.model_info import load_model_info
 from services.coordinator.store import RedisSessionStore
@@ -28,11 +30,20 @@ from services.target import server as target_server
 from services.target.client import GrpcVerifier
 
 
+MODEL_NAME = "tiny-target"  # the id the REST gateway serves
+
+
 class Cluster:
     def __init__(
-        self, draft_dir: Path, target_dir: Path, redis_url: str, dtype: str = "float64", limits: Limits = Limits()
+        self,
+        draft_dir: Path,
+        target_dir: Path,
+        redis_url: str,
+        dtype: str = "float64",
+        limits: Limits = Limits(),
+        keys: ApiKeys = ApiKeys.open(),
     ):
-        self.redis_url = redis_url
+        self.redis_url, self.keys = redis_url, keys
         self.draft_engine = ModelEngine(EngineConfig(draft_dir, dtype=dtype))
         self.target_engine = ModelEngine(EngineConfig(target_dir, dtype=dtype))
         self.model = load_model_info(target_dir)
@@ -59,20 +70,27 @@ class Cluster:
             RedisSessionStore(self.redis_url),
         )
         self.frontend = Frontend(self.services, self.model, self.limits)
-        self.coordinator_servicer = coordinator_server.CoordinatorServicer(self.frontend)
+        self.coordinator_servicer = coordinator_server.CoordinatorServicer(self.frontend, self.keys)
         register = coordinator_server.register(self.coordinator_servicer)
         server, ports["coordinator"] = await start_server(register, "127.0.0.1:0")
         self.servers.append(server)
+        app = create_app(self.frontend, self.keys, MODEL_NAME)
+        self.http, ports["http"] = await HttpServer.start(app, "127.0.0.1", 0)
         return ports
 
     def address(self, role: str) -> str:
         return f"127.0.0.1:{self.ports[role]}"
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.ports['http']}"
 
     def coordinator(self, channel: grpc.Channel) -> coordinator_pb2_grpc.CoordinatorStub:
         return coordinator_pb2_grpc.CoordinatorStub(channel)
 
     def close(self) -> None:
         async def stop():
+            await self.http.stop()
             for server in self.servers:
                 await server.stop(1.0)
             await self.services.drafter.replicas.close()

@@ -23,6 +23,7 @@ class ServiceProcess:
         self.role, self.args = role, args
         self.port = port or free_port()
         self.log_path = log_dir / f"{role}-{self.port}.log"
+        self.env: dict[str, str] = {}  # added to this process's environment (tracing settings)
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -32,7 +33,7 @@ class ServiceProcess:
     def start(self) -> "ServiceProcess":
         """Launch without waiting (start several, then `wait_ready` each: they boot in parallel)."""
         cmd = [sys.executable, "-m", f"services.{self.role}", "--port", str(self.port), *self.args]
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        env = {**os.environ, "OMP_NUM_THREADS": "1", **self.env}
         with open(self.log_path, "a") as log:
             self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
         return self
@@ -70,4 +71,4 @@ def model_service(role: str, model_dir: Path, log_dir: Path, port: int | None = 
 
 def coordinator(target_dir: Path, drafts: list[str], targets: list[str], redis_url: str, log_dir: Path) -> ServiceProcess:
     args = ["--model-dir", str(target_dir), "--draft-addr", ",".join(drafts), "--target-addr", ",".join(targets)]
-    return ServiceProcess("coordinator", [*args, "--redis-url", redis_url], log_dir)
+    return ServiceProcess("coordinator", [*args, "--redis-url", redis_url, "--http-port", "0"], log_dir)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+from contextvars import ContextVar
 from typing import Awaitable, TypeVar
 
 import grpc
@@ -10,6 +12,21 @@ from services.common.errors import stale_session
 from services.protogen.specd.v1 import common_pb2
 
 R = TypeVar("R")
+
+# When the client's request must be done (time.monotonic()), set by the edge for its request's
+# task: a model-service call never waits past the client's own deadline.
+_request_deadline: ContextVar[float | None] = ContextVar("specd_request_deadline", default=None)
+
+
+def set_request_deadline(seconds_left: float | None) -> None:
+    """For the calling task (one per RPC): calls made from here on end by then."""
+    _request_deadline.set(None if seconds_left is None else time.monotonic() + seconds_left)
+
+
+def timeout(default_s: float) -> float:
+    """A call's timeout: `default_s`, or less when the client's deadline comes sooner."""
+    deadline = _request_deadline.get()
+    return default_s if deadline is None else max(0.0, min(default_s, deadline - time.monotonic()))
 
 
 async def call(rpc: Awaitable[R]) -> R:

@@ -10,8 +10,10 @@ from typing import Callable
 
 from specd.engine import EngineConfig, ModelEngine
 from services.common import settings
+from services.common.metrics import serve_metrics
 from services.common.model_service import ModelServicer
 from services.common.server import run_until_signalled, start_server
+from services.common.telemetry import setup_tracing
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +28,7 @@ def parse(role: str, default_port: int, argv: list[str] | None) -> argparse.Name
     settings.add(parser, "--threads", type=int, help="torch threads (services on one host share cores)")
     settings.add(parser, "--max-sessions", type=int, default=64, help="KV caches kept; idle ones are evicted LRU")
     settings.add(parser, "--quantize", default="none", help="none | int8 (CPU; for a draft only: it changes numerics)")
+    settings.add(parser, "--metrics-port", type=int, default=0, help="serve Prometheus /metrics on this port (0: off)")
     args = parser.parse_args(argv)
     if args.model_dir is None:
         parser.error("--model-dir (or SPECD_MODEL_DIR) is required")
@@ -52,12 +55,16 @@ def main(
 ) -> None:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role} %(levelname)s %(message)s")
     args = parse(role, default_port, argv)
+    setup_tracing(f"specd-{role}")
     engine = ModelEngine(engine_config(args))
     servicer = servicer_cls(engine, role)
 
     async def serve() -> None:
         server, port = await start_server(register(servicer), f"{args.host}:{args.port}")
         log.info("%s serving %s on %s:%d", role, args.model_dir, args.host, port)
+        if args.metrics_port:
+            serve_metrics(servicer.metrics.registry, args.metrics_port, args.host)
+            log.info("%s metrics on http://%s:%d/metrics", role, args.host, args.metrics_port)
         await run_until_signalled(server)
 
     try:

@@ -7,33 +7,47 @@ import time
 from typing import Callable, TypeVar
 
 import grpc
+from opentelemetry import trace
 
 from specd.engine import ModelEngine, PositionMismatch
 from specd.loop import SyncPoint
 from services.common import convert
 from services.common.errors import grpc_errors
+from services.common.metrics import ModelMetrics
 from services.common.worker import EngineWorker
 from services.protogen.specd.v1 import common_pb2
 
 T = TypeVar("T")
+tracer = trace.get_tracer(__name__)
 
 
 class ModelServicer:
     def __init__(self, engine: ModelEngine, name: str):
         self.engine = engine
         self.worker = EngineWorker(name)
+        self.metrics = ModelMetrics()
 
-    async def in_session(self, session_id: str, sync: SyncPoint, work: Callable[[int], T]) -> tuple[T, float]:
+    async def in_session(
+        self, session_id: str, sync: SyncPoint, work: Callable[[int], T], span: str
+    ) -> tuple[T, float]:
         """On the worker thread: bring the session to the committed tokens, then `work(position)`.
 
         Returns the result and the seconds spent, so callers can tell model time from overhead.
+        The span covers exactly that model time (the RPC's server span also counts the queue);
+        `work` may add attributes to it (`trace.get_current_span()`).
         """
+        attributes = {"specd.session_id": session_id, "specd.sync.start_pos": sync.start_pos,
+                      "specd.sync.tokens": len(sync.tokens)}
 
         def call() -> tuple[T, float]:
-            start = time.perf_counter()
-            self._check_instance(session_id, sync)
-            result = work(self.engine.sync(session_id, sync.start_pos, sync.tokens))
-            return result, time.perf_counter() - start
+            with tracer.start_as_current_span(span, attributes=attributes):
+                start = time.perf_counter()
+                try:
+                    self._check_instance(session_id, sync)
+                    result = work(self.engine.sync(session_id, sync.start_pos, sync.tokens))
+                finally:
+                    self.metrics.engine_changed(self.engine)  # a sync may evict, even one that then fails
+                return result, time.perf_counter() - start
 
         return await self.worker.run(call)
 
@@ -64,6 +78,7 @@ class ModelServicer:
 
         def release() -> common_pb2.SessionInfo:
             self.engine.release(session_id)
+            self.metrics.engine_changed(self.engine)
             return self.info(session_id)
 
         return await self.worker.run(release)

@@ -15,7 +15,9 @@ from typing import Awaitable, Callable, Generic, Sequence, TypeVar
 
 import grpc
 
+from services.common.client import timeout
 from services.common.server import MAX_MESSAGE_BYTES
+from services.common.telemetry import client_interceptors
 
 S = TypeVar("S")
 R = TypeVar("R")
@@ -45,14 +47,15 @@ class Replicas(Generic[S]):
         if not addresses:
             raise ValueError("at least one replica address is required")
         self._replicas = []
+        interceptors = client_interceptors()  # propagate the caller's trace context to the service
         for address in addresses:
-            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS, interceptors=interceptors)
             self._replicas.append(_Replica(address, channel, make_stub(channel)))
         self.retry_s = retry_s
 
     async def call(self, instance_id: str, session_id: str, rpc: Callable[[S], Awaitable[R]]) -> R:
         """Run `rpc` on the best replica; on UNAVAILABLE try the others, then wait and retry."""
-        deadline = time.monotonic() + self.retry_s
+        deadline = time.monotonic() + timeout(self.retry_s)  # no retries past the client's deadline
         delay = 0.05
         while True:
             for replica in self._order(instance_id, session_id):

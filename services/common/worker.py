@@ -8,6 +8,7 @@ serving health checks and new requests.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, TypeVar
 
@@ -19,7 +20,9 @@ class EngineWorker:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
 
     async def run(self, fn: Callable[..., T], *args) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        # The caller's context goes along, so spans started on the worker are children of the request's.
+        context = contextvars.copy_context()
+        return await asyncio.get_running_loop().run_in_executor(self._executor, context.run, fn, *args)
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)

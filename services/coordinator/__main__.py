@@ -9,9 +9,13 @@ from pathlib import Path
 
 from specd.loop import Services
 from services.common import settings
+from services.common.metrics import serve_metrics
 from services.common.server import run_until_signalled, start_server
-from services.coordinator.convert import Limits
+from services.common.telemetry import setup_tracing
+from services.coordinator.requests import Limits
+from services.coordinator.auth import ApiKeys
 from services.coordinator.frontend import Frontend
+from services.coordinator.gateway import DEFAULT_HTTP_PORT, MAX_BODY_BYTES, HttpServer, create_app
 from services.coordinator.model_info import load_model_info
 from services.coordinator.server import CoordinatorServicer, register
 from services.coordinator.store import RedisSessionStore
@@ -33,6 +37,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     settings.add(parser, "--session-ttl-s", type=float, default=3600.0, help="idle sessions expire after this")
     settings.add(parser, "--default-k", type=int, default=Limits.default_k, help="draft tokens per round")
     settings.add(parser, "--max-k", type=int, default=Limits.max_k, help="largest K a request may ask for")
+    settings.add(parser, "--http-port", type=int, default=DEFAULT_HTTP_PORT, help="REST (OpenAI) port; -1: no REST")
+    settings.add(parser, "--api-keys-file", type=Path, help="API keys, one `name:key` a line (unset: no auth)")
+    settings.add(parser, "--served-model-name", help="the model id REST clients name (default: the model dir's name)")
+    settings.add(parser, "--max-body-bytes", type=int, default=MAX_BODY_BYTES, help="largest REST request body")
+    settings.add(parser, "--metrics-port", type=int, default=0, help="serve Prometheus /metrics on this port (0: off)")
     args = parser.parse_args(argv)
     for required in ("model_dir", "redis_url"):
         if getattr(args, required) is None:
@@ -50,11 +59,25 @@ async def serve(args: argparse.Namespace) -> None:
         RedisSessionStore(args.redis_url, ttl_s=args.session_ttl_s),
     )
     frontend = Frontend(services, model, limits)
-    server, port = await start_server(register(CoordinatorServicer(frontend)), f"{args.host}:{args.port}")
+    if args.metrics_port:
+        serve_metrics(frontend.metrics.registry, args.metrics_port, args.host)
+        log.info("coordinator metrics on http://%s:%d/metrics", args.host, args.metrics_port)
+    keys = ApiKeys.from_file(args.api_keys_file) if args.api_keys_file else ApiKeys.open()
+    if not keys.required:
+        log.warning("no --api-keys-file: the coordinator's APIs are open to anyone who can reach them")
+    server, port = await start_server(register(CoordinatorServicer(frontend, keys)), f"{args.host}:{args.port}")
     log.info("coordinator on %s:%d (draft %s, target %s)", args.host, port, args.draft_addr, args.target_addr)
+    http = None
+    if args.http_port >= 0:
+        name = args.served_model_name or args.model_dir.resolve().name
+        app = create_app(frontend, keys, name, args.max_body_bytes)
+        http, http_port = await HttpServer.start(app, args.host, args.http_port)
+        log.info("REST gateway on http://%s:%d/v1 (model %r)", args.host, http_port, name)
     try:
         await run_until_signalled(server)
     finally:
+        if http:
+            await http.stop()
         await asyncio.gather(
             services.drafter.replicas.close(), services.verifier.replicas.close(), services.store.close()
         )
@@ -62,6 +85,7 @@ async def serve(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s coordinator %(levelname)s %(message)s")
+    setup_tracing("specd-coordinator")  # before serve() builds the server and channels
     asyncio.run(serve(parse(argv)))
 
 

@@ -7,18 +7,26 @@ session id is not an oracle). Errors stay domain exceptions; each edge maps them
 
 from __future__ import annotations
 
+import contextlib
 import uuid
+from contextlib import AbstractContextManager
 from typing import AsyncIterator
+
+from opentelemetry import trace
 
 from specd.loop import Chunk, Finished, GenerationRequest, Services, generate
 from specd.session import SessionNotFound, SessionState
-from services.coordinator.convert import Limits
+from services.common.metrics import CoordinatorMetrics
+from services.coordinator.requests import Limits
 from services.coordinator.model_info import ModelInfo
+
+tracer = trace.get_tracer(__name__)
 
 
 class Frontend:
     def __init__(self, services: Services, model: ModelInfo, limits: Limits):
         self.services, self.model, self.limits = services, model, limits
+        self.metrics = CoordinatorMetrics()  # every edge's requests; served by the process (/metrics)
 
     async def generate(
         self, request: GenerationRequest, session_id: str = "", owner: str = ""
@@ -28,8 +36,15 @@ class Frontend:
             await self._owned_or_absent(session_id, owner)
         named = session_id or uuid.uuid4().hex
         events = generate(request, named, self.services, self.model.decode, not session_id, owner=owner)
-        async for event in events:
-            yield event
+        # aclosing: a client that goes away closes this generator, and the loop's must close with
+        # it now (freeing a one-off session's caches), not whenever it is garbage-collected.
+        async with contextlib.aclosing(events):
+            with self.metrics.request(len(request.prompt)) as tracked, _traced(named, request) as span:
+                async for event in events:
+                    tracked.observe(event)
+                    if isinstance(event, Finished):
+                        span.set_attributes(_outcome(event))
+                    yield event
 
     async def session(self, session_id: str, owner: str = "") -> SessionState:
         state = await self.services.store.get(session_id)
@@ -47,3 +62,19 @@ class Frontend:
         state = await self.services.store.get(session_id)
         if state is not None and state.owner != owner:
             raise SessionNotFound(f"no session {session_id!r} (released, expired, or not yours)")
+
+
+def _traced(session_id: str, request: GenerationRequest) -> AbstractContextManager[trace.Span]:
+    """The request's span: the loop's rounds (and their RPCs) become its children."""
+    asked = {"specd.session_id": session_id, "specd.prompt_tokens": len(request.prompt),
+             "specd.max_tokens": request.rules.max_tokens}
+    return tracer.start_as_current_span("coordinator.generate", attributes=asked)
+
+
+def _outcome(finished: Finished) -> dict[str, int | str]:
+    return {
+        "specd.completion_tokens": len(finished.token_ids),
+        "specd.finish_reason": finished.finish_reason,
+        "specd.rounds": finished.stats.rounds,
+        "specd.accepted": finished.stats.accepted,
+    }

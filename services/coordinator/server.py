@@ -5,6 +5,7 @@ Stateless: every session lives in the store (Redis), so any replica can serve an
 
 from __future__ import annotations
 
+import contextlib
 from typing import AsyncIterator
 
 import grpc
@@ -13,7 +14,9 @@ import redis.exceptions
 from specd.loop import Chunk, Finished, GenerationRequest
 from specd.validation import InvalidParams
 from specd.session import Fenced, SessionNotFound
-from services.coordinator import convert
+from services.common.client import set_request_deadline
+from services.coordinator import convert, requests
+from services.coordinator.auth import ApiKeys, Unauthenticated
 from services.coordinator.frontend import Frontend
 from services.protogen.specd.v1 import coordinator_pb2, coordinator_pb2_grpc
 
@@ -22,14 +25,19 @@ PASSED_THROUGH = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTE
 
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
-    def __init__(self, frontend: Frontend):
-        self.frontend = frontend
+    """Clients authenticate with `authorization: Bearer <key>` metadata when keys are configured.
+    A client's deadline bounds every model-service call made for it, and a cancelled or
+    expired call cancels its generation (a one-off session's caches are freed at once)."""
+
+    def __init__(self, frontend: Frontend, keys: ApiKeys = ApiKeys.open()):
+        self.frontend, self.keys = frontend, keys
 
     async def Generate(
         self, request: coordinator_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[coordinator_pb2.GenerateResponse]:
+        owner = await self._owner(context)
         generation = await self._validated(request, context)
-        async for event in self._events(generation, request.session_id, context):
+        async for event in self._events(generation, request.session_id, owner, context):
             if isinstance(event, Chunk):
                 yield coordinator_pb2.GenerateResponse(token_ids=event.token_ids, text=event.text)
             else:
@@ -39,42 +47,55 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     async def Complete(
         self, request: coordinator_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> coordinator_pb2.CompleteResponse:
+        owner = await self._owner(context)
         generation = await self._validated(request, context)
-        async for event in self._events(generation, request.session_id, context):
-            if isinstance(event, Finished):
-                return convert.complete_response(event, len(generation.prompt))
+        async with contextlib.aclosing(self._events(generation, request.session_id, owner, context)) as events:
+            async for event in events:
+                if isinstance(event, Finished):
+                    return convert.complete_response(event, len(generation.prompt))
         raise AssertionError("the loop always ends with Finished")
 
     async def GetSession(self, request: coordinator_pb2.SessionRequest, context: grpc.aio.ServicerContext):
+        owner = await self._owner(context)
         session_id = await self._session_id(request.session_id, context)
         try:
-            return convert.session_summary(await self.frontend.session(session_id))
+            return convert.session_summary(await self.frontend.session(session_id, owner))
         except SessionNotFound as e:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(e.args[0]))
 
     async def ReleaseSession(self, request: coordinator_pb2.SessionRequest, context: grpc.aio.ServicerContext):
+        owner = await self._owner(context)
         session_id = await self._session_id(request.session_id, context)
         try:
-            await self.frontend.release(session_id)
+            await self.frontend.release(session_id, owner)
         except SessionNotFound as e:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(e.args[0]))
         return coordinator_pb2.ReleaseSessionResponse(released=True)
 
+    async def _owner(self, context: grpc.aio.ServicerContext) -> str:
+        try:
+            return self.keys.owner(dict(context.invocation_metadata() or ()).get("authorization"))
+        except Unauthenticated as e:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(e))
+
     async def _session_id(self, value: str, context: grpc.aio.ServicerContext) -> str:
         try:
-            return convert.session_id(value)
+            return requests.session_id(value)
         except InvalidParams as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
     async def _validated(self, request, context: grpc.aio.ServicerContext) -> GenerationRequest:
         try:
-            return convert.generation_request(request, self.frontend.model, self.frontend.limits)
+            return requests.generation_request(convert.client_request(request), self.frontend.model, self.frontend.limits)
         except InvalidParams as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
-    async def _events(self, generation: GenerationRequest, session_id: str, context) -> AsyncIterator[Chunk | Finished]:
+    async def _events(
+        self, generation: GenerationRequest, session_id: str, owner: str, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[Chunk | Finished]:
+        set_request_deadline(context.time_remaining())
         try:
-            async for event in self.frontend.generate(generation, session_id):
+            async for event in self.frontend.generate(generation, session_id, owner):
                 yield event
         except grpc.aio.AioRpcError as e:
             code = e.code() if e.code() in PASSED_THROUGH else grpc.StatusCode.INTERNAL

@@ -6,7 +6,7 @@ from typing import Sequence
 
 from specd.loop import DraftReply, SyncPoint
 from specd.sampling import SamplingParams
-from services.common.client import call, session_ref
+from services.common.client import call, session_ref, timeout
 from services.common.replicas import Replicas
 from services.draft import convert
 from services.protogen.specd.v1 import draft_pb2_grpc
@@ -20,7 +20,7 @@ class GrpcDrafter:
     async def propose(self, session_id: str, sync: SyncPoint, k: int, params: SamplingParams) -> DraftReply:
         request = convert.propose_request(session_id, sync, k, params)
         reply = await self.replicas.call(
-            sync.instance_id, session_id, lambda stub: call(stub.Propose(request, timeout=self._timeout_s))
+            sync.instance_id, session_id, lambda stub: call(stub.Propose(request, timeout=timeout(self._timeout_s)))
         )
         return convert.draft_reply(reply)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import grpc
+from opentelemetry import trace
 
 from specd import speculation
 from services.common.errors import grpc_errors
@@ -17,9 +18,11 @@ class DraftServicer(ModelServicer, draft_pb2_grpc.DraftServiceServicer):
         call = convert.propose_call(request)
 
         def draft(position: int):
+            trace.get_current_span().set_attributes({"specd.k": call.k, "specd.position": position})
             return speculation.propose(self.engine, call.session_id, call.k, call.params), position
 
-        (proposal, position), compute_s = await self.in_session(call.session_id, call.sync, draft)
+        (proposal, position), compute_s = await self.in_session(call.session_id, call.sync, draft, "draft.propose")
+        self.metrics.model_step("propose", compute_s)
         return convert.propose_response(proposal, position, self.engine.instance_id, compute_s)
 
 

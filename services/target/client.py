@@ -7,7 +7,7 @@ from typing import Sequence
 from specd.loop import SyncPoint, VerifyReply
 from specd.sampling import SamplingParams
 from specd.verify import Proposal
-from services.common.client import call, session_ref
+from services.common.client import call, session_ref, timeout
 from services.common.replicas import Replicas
 from services.protogen.specd.v1 import target_pb2_grpc
 from services.target import convert
@@ -21,10 +21,10 @@ class GrpcVerifier:
     async def verify(self, session_id: str, sync: SyncPoint, proposal: Proposal, params: SamplingParams) -> VerifyReply:
         if proposal.tokens:
             request = convert.verify_request(session_id, sync, proposal, params)
-            rpc = lambda stub: call(stub.Verify(request, timeout=self._timeout_s))  # noqa: E731
+            rpc = lambda stub: call(stub.Verify(request, timeout=timeout(self._timeout_s)))  # noqa: E731
         else:
             step = convert.step_request(session_id, sync, params)
-            rpc = lambda stub: call(stub.Step(step, timeout=self._timeout_s))  # noqa: E731
+            rpc = lambda stub: call(stub.Step(step, timeout=timeout(self._timeout_s)))  # noqa: E731
         return convert.verify_reply(await self.replicas.call(sync.instance_id, session_id, rpc))
 
     async def release(self, session_id: str) -> None:

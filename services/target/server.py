@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import grpc
+from opentelemetry import trace
 
 from specd import speculation
 from services.common.errors import grpc_errors
@@ -21,11 +22,18 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
         return await self._verify(convert.step_call(request))
 
     async def _verify(self, call: convert.VerifyCall) -> target_pb2.VerifyResponse:
-        def verify(_position: int):
+        k = len(call.proposal.tokens)
+
+        def verify(position: int):
             verdict = speculation.verify_proposal(self.engine, call.session_id, call.proposal, call.params)
+            trace.get_current_span().set_attributes(
+                {"specd.k": k, "specd.position": position, "specd.accepted": verdict.num_accepted}
+            )
             return verdict, self.engine.position(call.session_id)
 
-        (verdict, position), compute_s = await self.in_session(call.session_id, call.sync, verify)
+        span = "target.verify" if k else "target.step"
+        (verdict, position), compute_s = await self.in_session(call.session_id, call.sync, verify, span)
+        self.metrics.model_step("verify" if k else "step", compute_s)
         return convert.verify_response(verdict, position, self.engine.instance_id, compute_s)
 
 
