@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -66,7 +67,27 @@ def main(argv: list[str] | None = None) -> None:
     gen.add_argument("--json", action="store_true", help="print text, token ids and stats as JSON")
     gen.set_defaults(run=cmd_generate)
 
-    args = parser.parse_args(argv)
+    health = commands.add_parser("health", help="exit 0 when a specd gRPC service is serving (healthchecks)")
+    health.add_argument("address", help="host:port of a draft, target or coordinator service")
+    health.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for the answer")
+    health.set_defaults(run=cmd_health)
+
+    ray = commands.add_parser("serve-ray", help="the Ray Serve application on a local Ray (services/ray_app.py)")
+    settings.add(ray, "--models-dir", type=Path, help="where converted models live (default ~/.cache/specd/models)")
+    settings.add(ray, "--redis-url", help="session store; default: start a local redis-server")
+    settings.add(ray, "--http-port", type=int, default=8000, help="the ingress's HTTP (OpenAI-compatible) port")
+    ray.add_argument("--num-cpus", type=int, help="CPUs for the local Ray (default: all)")
+    ray.add_argument("--draft-quantize", default="int8", help="int8 | none: the draft's weights")
+    ray.set_defaults(run=cmd_serve_ray)
+
+    # Its flags belong to benchmarks/bench.py (`specd bench -h`), which imports torch: passed through.
+    bench = commands.add_parser("bench", add_help=False, help="plain vs fixed K vs adaptive vs HF assisted, one run")
+    bench.set_defaults(run=cmd_bench)
+
+    args, passed = parser.parse_known_args(argv)
+    if passed and args.command != "bench":
+        parser.error(f"unrecognized arguments: {' '.join(passed)}")
+    args.passed = passed
     sys.exit(args.run(args))
 
 
@@ -80,8 +101,9 @@ def cmd_fetch(args: argparse.Namespace) -> int:
 def cmd_up(args: argparse.Namespace) -> int:
     from specd.models import fetch
 
-    paths = fetch(args.models_dir)
-    paths = {role: getattr(args, f"{role}_model_dir") or path for role, path in paths.items()}
+    chosen = {role: getattr(args, f"{role}_model_dir") for role in ("draft", "target")}
+    paths = fetch(args.models_dir, roles=tuple(role for role, path in chosen.items() if path is None))
+    paths |= {role: path for role, path in chosen.items() if path is not None}
     with contextlib.ExitStack() as stack:
         redis_url = args.redis_url or stack.enter_context(LocalRedis(appendonly=True)).url
         if args.tracing:
@@ -149,19 +171,56 @@ def _model_service(role: str, model_dir: Path, host: str, port: int, threads: in
 def _wait_ready(addr: dict[str, str], procs: dict[str, subprocess.Popen]) -> None:
     deadline = time.monotonic() + READY_TIMEOUT_S
     for role, address in addr.items():
-        with grpc.insecure_channel(address) as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-            while True:
-                if procs[role].poll() is not None:
-                    raise SystemExit(f"{role} service exited with code {procs[role].returncode}")
-                if time.monotonic() > deadline:
-                    raise SystemExit(f"{role} service not ready after {READY_TIMEOUT_S:.0f}s")
-                try:
-                    reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
-                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                        break
-                except grpc.RpcError:
-                    time.sleep(0.5)
+        while not _serving(address):
+            if procs[role].poll() is not None:
+                raise SystemExit(f"{role} service exited with code {procs[role].returncode}")
+            if time.monotonic() > deadline:
+                raise SystemExit(f"{role} service not ready after {READY_TIMEOUT_S:.0f}s")
+            time.sleep(0.5)
+
+
+def _serving(address: str, timeout_s: float = 1.0) -> bool:
+    """The stock gRPC health service answers SERVING (the whole server, service "")."""
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+        except grpc.RpcError:
+            return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def cmd_serve_ray(args: argparse.Namespace) -> int:
+    """Start a local Ray, run the application on the fetched pair, wait for Ctrl-C / SIGTERM."""
+    import ray
+    from ray import serve
+
+    from services.ray_app import build_app
+    from specd.models import fetch
+
+    paths = fetch(args.models_dir)
+    with contextlib.ExitStack() as stack:
+        redis_url = args.redis_url or stack.enter_context(LocalRedis(appendonly=True)).url
+        ray.init(num_cpus=args.num_cpus, include_dashboard=False)
+        stack.callback(ray.shutdown)
+        serve.start(http_options={"host": "127.0.0.1", "port": args.http_port})
+        stack.callback(serve.shutdown)
+        app = build_app({"target_model_dir": str(paths["target"]), "draft_model_dir": str(paths["draft"]),
+                         "redis_url": redis_url, "draft_quantize": args.draft_quantize})
+        serve.run(app, name="specd", route_prefix="/")
+        print(f"specd (Ray Serve) is up: http://127.0.0.1:{args.http_port}/v1", flush=True)
+        stopped = threading.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stopped.set())
+        while not stopped.wait(1.0):  # a timed wait lets the signal handler run
+            pass
+    return 0
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    """For container healthchecks: exit 0 when the service at the address is serving."""
+    serving = _serving(args.address, args.timeout)
+    print("SERVING" if serving else "NOT SERVING")
+    return 0 if serving else 1
 
 
 def _stop_all(procs) -> None:
@@ -173,6 +232,12 @@ def _stop_all(procs) -> None:
             p.wait(timeout=15)
         except subprocess.TimeoutExpired:
             p.kill()
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from benchmarks import bench
+
+    return bench.main(args.passed)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

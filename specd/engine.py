@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from specd import kernels
+from specd import kernels, ragged
 
 DTYPES = {
     "float32": torch.float32,
@@ -42,7 +42,7 @@ class EngineConfig:
     max_sessions: int = 64
     idle_evict_s: float = 5.0  # a session idle this long may be evicted (LRU) to make room
     max_context: int | None = None  # default: the model's max_position_embeddings
-    small_row_matmul: bool = True  # CPU: the fast path for 2-16 row linears (specd/kernels.py)
+    small_row_matmul: bool = True  # CPU: the fast path for 2-128 row linears (specd/kernels.py)
     quantize: str = "none"  # "int8": dynamic int8 linears, CPU, for a draft model only (specd/kernels.py)
 
 
@@ -150,6 +150,14 @@ class ModelEngine:
         _crop(session.cache, common)
         return len(session.tokens)
 
+    def check_forward(self, session_id: str, extra: Sequence[int] = ()) -> None:
+        """Raise what `forward(session_id, extra)` would refuse, without doing any work."""
+        session = self._sessions.get(session_id)
+        if session is None or not session.tokens:
+            raise PositionMismatch(f"session {session_id!r} has no tokens; sync a prompt first", position=0)
+        self._check_tokens(extra)
+        self._check_context(len(session.tokens) + len(extra))
+
     @torch.inference_mode()
     def forward(self, session_id: str, extra: Sequence[int] = ()) -> torch.Tensor:
         """Feed the pending tokens then `extra` in one model call; append `extra` to the session.
@@ -157,15 +165,7 @@ class ModelEngine:
         Returns float32 CPU logits [len(extra) + 1, vocab]: row i is the next-token distribution
         after tokens[:n + i], where n is the session length before the call.
         """
-        session = self._sessions.get(session_id)
-        if session is None or not session.tokens:
-            raise PositionMismatch(f"session {session_id!r} has no tokens; sync a prompt first", position=0)
-        self._check_tokens(extra)
-        self._check_context(len(session.tokens) + len(extra))
-        session = self._touch(session_id)
-        _crop(session.cache, len(session.tokens) - 1)  # nothing pending: re-feed the last token
-        kv = session.cache.get_seq_length()
-        new = session.tokens[kv:] + list(extra)  # [>= 1 + len(extra)]
+        session, new = self._prepare(session_id, extra)
         input_ids = torch.tensor([new], dtype=torch.long, device=self.config.device)  # [1, len(new)]
         try:
             out = self.model(
@@ -175,12 +175,38 @@ class ModelEngine:
                 logits_to_keep=len(extra) + 1,  # skip the vocab projection for rows nobody reads
             )
         except BaseException:
-            # An interrupted call may have extended some layers' caches but not others; the
-            # tokens are the truth, so start the cache over rather than guess which layers grew.
-            session.cache = DynamicCache(config=self.model.config)
+            self._reset_caches([session])
             raise
         session.tokens.extend(extra)
         return out.logits[0].float().cpu()  # [len(extra) + 1, vocab]
+
+    @torch.inference_mode()
+    def forward_many(self, requests: Sequence[tuple[str, Sequence[int]]]) -> list[torch.Tensor]:
+        """`forward(session_id, extra)` for several sessions in ONE model pass (specd/ragged.py).
+
+        Each result is what `forward` returns for that session alone, up to matmul rounding
+        (bit-identical for a batch of one). Every request is checked before any work, so a refused
+        one leaves all sessions untouched.
+        """
+        if not requests:
+            return []
+        session_ids = [session_id for session_id, _ in requests]
+        if len(set(session_ids)) != len(session_ids):
+            raise ValueError("a batch holds each session at most once")
+        for session_id, extra in requests:
+            self.check_forward(session_id, extra)
+        prepared = [self._prepare(session_id, extra) for session_id, extra in requests]
+        sessions = [session for session, _ in prepared]
+        try:
+            logits = ragged.forward(
+                self.model, [s.cache for s in sessions], [new for _, new in prepared], [len(e) + 1 for _, e in requests]
+            )
+        except BaseException:
+            self._reset_caches(sessions)
+            raise
+        for session, (_, extra) in zip(sessions, requests):
+            session.tokens.extend(extra)
+        return [rows.float().cpu() for rows in logits]  # each [len(extra) + 1, vocab]
 
     def truncate(self, session_id: str, pos: int) -> None:
         """Drop tokens from `pos` on. Idempotent; pos >= length (or an unknown session) is a no-op."""
@@ -206,6 +232,20 @@ class ModelEngine:
         self._sessions.move_to_end(session_id)
         session.last_used = time.monotonic()
         return session
+
+    def _prepare(self, session_id: str, extra: Sequence[int]) -> tuple[_Session, list[int]]:
+        """Check a forward, then return the session and the tokens to feed: pending ones, then extra."""
+        self.check_forward(session_id, extra)
+        session = self._touch(session_id)
+        _crop(session.cache, len(session.tokens) - 1)  # nothing pending: re-feed the last token
+        kv = session.cache.get_seq_length()
+        return session, session.tokens[kv:] + list(extra)  # [>= 1 + len(extra)]
+
+    def _reset_caches(self, sessions: Sequence[_Session]) -> None:
+        # An interrupted call may have extended some layers' caches but not others; the
+        # tokens are the truth, so start the caches over rather than guess which layers grew.
+        for session in sessions:
+            session.cache = DynamicCache(config=self.model.config)
 
     def _make_room(self) -> None:
         if len(self._sessions) < self.config.max_sessions:

@@ -160,6 +160,7 @@ async def generate(
             # The span ends before the round yields: a span left current across a yield would leak
             # into whatever the consumer does in between.
             with tracer.start_as_current_span("speculation.round") as span:
+                round_start = time.perf_counter()
                 n = len(committed)
                 remaining = request.rules.max_tokens - len(checker.token_ids)
                 k = min(_choose_k(request, state.policy), remaining - 1)  # a round commits at most k + 1 tokens
@@ -191,7 +192,8 @@ async def generate(
                 if request.fixed_k is None:
                     policy = observe(policy, observation, request.policy)
                 round_stats = SessionStats().record(
-                    k, a, policy.fallbacks - state.policy.fallbacks, draft.resyncs + target.resyncs - resyncs
+                    k, a, policy.fallbacks - state.policy.fallbacks, draft.resyncs + target.resyncs - resyncs,
+                    observation.draft_s, observation.verify_s,
                 )
                 span.set_attributes(_round_attributes(stats.rounds, observation, len(committed), policy.mode))
                 stats += round_stats
@@ -205,6 +207,9 @@ async def generate(
                 )
                 # 6. persist (fenced: fails if another coordinator took the session over), then emit
                 await services.store.save(lease, state, appended_from=stored)
+                # The round's wall time includes its own save, so it reaches the store with the next one.
+                wall = SessionStats(round_wall_s=time.perf_counter() - round_start)
+                stats, state = stats + wall, replace(state, stats=state.stats + wall)
             stored = len(committed)
             if on_round:
                 on_round(RoundRecord(k, a, len(committed), drafted and drafted.position, verified.position, policy.mode))

@@ -22,6 +22,7 @@ Layout under ``models_dir`` (default ``~/.cache/specd/models``)::
 
 from __future__ import annotations
 
+import fcntl
 import gc
 import hashlib
 import json
@@ -346,6 +347,16 @@ def fetch(
     models_dir = Path(models_dir or default_models_dir())
     if unknown := set(roles) - SOURCES.keys():
         raise ValueError(f"unknown roles {sorted(unknown)}; expected some of {sorted(SOURCES)}")
+    models_dir.mkdir(parents=True, exist_ok=True)
+    # One fetcher at a time per directory: pods sharing a models volume each run this as their
+    # init step; the first converts, the others wait for it and then find everything ready.
+    with open(models_dir / ".fetch.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        _fetch_roles(models_dir, roles, progress, keep_sources)
+    return {role: model_path(role, models_dir) for role in roles}
+
+
+def _fetch_roles(models_dir: Path, roles: tuple[str, ...], progress: bool, keep_sources: bool) -> None:
     # Target first: the draft then reuses its saved tokenizer instead of parsing a GGUF.
     for role in sorted(set(roles), key=["target", "draft"].index):
         if is_ready(role, models_dir):
@@ -358,4 +369,3 @@ def fetch(
         convert(source, gguf, tokenizer, models_dir, progress)
         if not keep_sources:
             gguf.unlink()
-    return {role: model_path(role, models_dir) for role in roles}

@@ -48,6 +48,7 @@ CALIBRATION_ROUNDS = 2  # plain rounds a fresh state may spend measuring verify(
 PRIOR_DRAFTS = 2.0  # weight, in drafts, of the prior α: three rejections in a row outweigh it
 PRIOR_SLOPE = 0.25  # verify(K) ≈ verify(0)·(1 + PRIOR_SLOPE·K) when only one K is measured
 TIMING_EVIDENCE = CALIBRATION_ROUNDS + 3  # rounds before timings alone may switch speculation off
+SESSION_PROBE_AFTER = 1  # plain rounds (the prompt's prefill) before a new plain-mode session probes
 MIN_JUDGED = 16  # drafts judged in this session before timings alone may switch speculation off
 
 
@@ -111,8 +112,10 @@ def inherit(prior: PolicyState) -> PolicyState:
     """A new session's start from what the deployment learned last (the store keeps the latest
     finished session's policy). Timings are properties of the deployment and carry over as they
     are; acceptance depends on the text, so it comes back as a light prior (at most PRIOR_DRAFTS worth).
-    A deployment whose draft does not pay starts new sessions in plain mode, probing on the
-    schedule it had reached, so a useless draft is not re-tried at the start of every request."""
+    A deployment whose draft did not pay starts new sessions in plain mode with one probe right
+    after the prompt: acceptance depends on the text (code after prose, or a verdict taken while
+    the cores were busy), and one round is all it costs a useless draft per request. After that
+    probe the session follows the schedule the deployment had reached."""
     est = prior.estimates
     weight = min(est.tested_count, PRIOR_DRAFTS) or PRIOR_DRAFTS
     est = replace(est, accepted_count=est.alpha * weight, tested_count=weight, judged=0)
@@ -120,7 +123,7 @@ def inherit(prior: PolicyState) -> PolicyState:
         mode=prior.mode,
         k=prior.k,
         estimates=est,
-        plain_rounds_until_probe=prior.probe_interval if prior.mode == PLAIN else 0,
+        plain_rounds_until_probe=SESSION_PROBE_AFTER if prior.mode == PLAIN else 0,
         probe_interval=prior.probe_interval,
     )
 

@@ -34,14 +34,23 @@ class SessionStats:
     drafted_per_position: tuple[int, ...] = ()  # [i]: rounds that drafted at least i + 1 tokens
     fallbacks: int = 0  # switches from speculative to plain decoding
     resyncs: int = 0  # a service had lost the session (restart, eviction, other replica) and got it resent
+    judged: int = 0  # drafts the target judged: the accepted ones plus the first rejected (α = accepted / judged)
+    draft_compute_s: float = 0.0  # model time the draft service reported
+    verify_compute_s: float = 0.0  # model time the target service reported (plain steps included)
+    round_wall_s: float = 0.0  # the coordinator's wall time for its rounds, store saves included
 
     @property
     def mean_acceptance_length(self) -> float:
         """Tokens committed per target call; includes the recovered/bonus token (as vLLM counts)."""
         return (self.accepted + self.rounds) / self.rounds if self.rounds else 0.0
 
-    def record(self, k: int, accepted: int, fallbacks: int = 0, resyncs: int = 0) -> "SessionStats":
-        return self + SessionStats(1, k, accepted, (1,) * accepted, (1,) * k, fallbacks, resyncs)
+    def record(
+        self, k: int, accepted: int, fallbacks: int = 0, resyncs: int = 0, draft_s: float = 0.0, verify_s: float = 0.0
+    ) -> "SessionStats":
+        judged = accepted + (1 if accepted < k else 0)
+        return self + SessionStats(
+            1, k, accepted, (1,) * accepted, (1,) * k, fallbacks, resyncs, judged, draft_s, verify_s
+        )
 
     def __add__(self, other: "SessionStats") -> "SessionStats":
         return SessionStats(
@@ -52,6 +61,10 @@ class SessionStats:
             _add_counts(self.drafted_per_position, other.drafted_per_position),
             self.fallbacks + other.fallbacks,
             self.resyncs + other.resyncs,
+            self.judged + other.judged,
+            self.draft_compute_s + other.draft_compute_s,
+            self.verify_compute_s + other.verify_compute_s,
+            self.round_wall_s + other.round_wall_s,
         )
 
 

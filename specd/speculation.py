@@ -10,6 +10,8 @@ token at n + K. Uniforms are keyed by those indices (see `specd.sampling.uniform
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -45,6 +47,33 @@ def propose(engine: "ModelEngine", session_id: str, K: int, params: SamplingPara
     return Proposal(tuple(tokens), tuple(rows))
 
 
+@dataclass(frozen=True)
+class Verification:
+    """One session's verification, checked: in a batch it can only fail with the batch."""
+
+    session_id: str
+    proposal: Proposal
+    params: SamplingParams
+    position: int  # n, the committed length before the round
+    q: torch.Tensor | None  # [K, vocab] draft rows; None when greedy
+
+
+def prepare_verification(
+    engine: "ModelEngine", session_id: str, proposal: Proposal, params: SamplingParams
+) -> Verification:
+    """Check everything about one request that could fail it (before any model work)."""
+    q = None if params.greedy else _dense_q(proposal, engine.vocab_size)  # [K, vocab]
+    engine.check_forward(session_id, proposal.tokens)
+    return Verification(session_id, proposal, params, engine.position(session_id), q)
+
+
+def verify_batch(engine: "ModelEngine", verifications: Sequence[Verification]) -> list[Verdict]:
+    """Score every session's drafts in ONE target forward, decide each session alone, and leave each
+    at its new committed length. Sessions may differ in length, K (0 is a plain step) and params."""
+    logits = engine.forward_many([(v.session_id, v.proposal.tokens) for v in verifications])  # each [K+1, vocab]
+    return [_decide(engine, v, rows) for v, rows in zip(verifications, logits)]
+
+
 def verify_proposal(
     engine: "ModelEngine",
     session_id: str,
@@ -55,19 +84,21 @@ def verify_proposal(
 
     With K = 0 this is one plain decoding step (the bonus token is drawn from p).
     """
-    n = engine.position(session_id)
-    K = len(proposal.tokens)
-    q = None if params.greedy else _dense_q(proposal, engine.vocab_size)  # [K, vocab]; checked before any work
-    logits = engine.forward(session_id, proposal.tokens)  # [K+1, vocab]
-    if q is None:
-        verdict = verify_greedy(proposal.tokens, logits)
+    return verify_batch(engine, [prepare_verification(engine, session_id, proposal, params)])[0]
+
+
+def _decide(engine: "ModelEngine", v: Verification, logits: torch.Tensor) -> Verdict:
+    """The pure verify math on one session's rows (logits: [K+1, vocab]), then its rollback."""
+    n, K = v.position, len(v.proposal.tokens)
+    if v.q is None:
+        verdict = verify_greedy(v.proposal.tokens, logits)
     else:
-        p = warp(logits, params)  # [K+1, vocab]
-        u_accept = uniforms(params.seed, ACCEPT_STREAM, range(n, n + K))
-        u_sample = uniforms(params.seed, SAMPLE_STREAM, range(n, n + K + 1))
-        verdict = verify(proposal.tokens, q, p, u_accept, u_sample)
+        p = warp(logits, v.params)  # [K+1, vocab]
+        u_accept = uniforms(v.params.seed, ACCEPT_STREAM, range(n, n + K))
+        u_sample = uniforms(v.params.seed, SAMPLE_STREAM, range(n, n + K + 1))
+        verdict = verify(v.proposal.tokens, v.q, p, u_accept, u_sample)
     # Rollback is bookkeeping: keep the accepted prefix, append the recovered/bonus token.
-    engine.sync(session_id, n + verdict.num_accepted, [verdict.next_token])
+    engine.sync(v.session_id, n + verdict.num_accepted, [verdict.next_token])
     return verdict
 
 

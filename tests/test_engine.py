@@ -270,7 +270,7 @@ def test_failed_forward_resets_cache_but_keeps_tokens(tiny_pair, target, monkeyp
 # -- kernel paths ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5, 9, 16, 17])
+@pytest.mark.parametrize("rows", [1, 2, 5, 9, 16, 17, 40, 128, 129])
 def test_small_row_matmul_is_the_same_arithmetic_as_f_linear(rows):
     from specd.kernels import _small_rows_linear
 
@@ -293,3 +293,74 @@ def test_int8_draft_runs_and_bad_options_are_refused(tiny_pair):
     assert draft.forward("q", [1, 2]).shape == (3, draft.vocab_size)
     with pytest.raises(ValueError, match="quantize"):
         ModelEngine(EngineConfig(tiny_pair[0], quantize="int4"))
+
+
+# -- batched forward (several sessions, one pass) ----------------------------------------------
+
+
+def _mixed_sessions(engine: ModelEngine) -> list[tuple[str, list[int]]]:
+    """Sessions at different cache lengths, each with its own K (0 is a plain step)."""
+    engine.sync("fresh", 0, PROMPT)  # nothing cached yet: a prefill
+    engine.sync("warm", 0, PROMPT[:5])
+    engine.forward("warm", [8, 9, 10])  # cached, nothing pending: re-feeds its last token
+    engine.sync("rolled", 0, PROMPT + PROMPT)
+    engine.forward("rolled", [1, 2, 3, 4])
+    engine.sync("rolled", 4, [60, 61, 62])  # rolled back and resent: three tokens pending
+    engine.sync("step", 0, PROMPT[:2])
+    engine.forward("step")
+    return [("fresh", [5, 70, 12]), ("warm", [4]), ("rolled", [200, 3, 7, 7, 9, 1, 2, 3]), ("step", [])]
+
+
+@pytest.mark.parametrize("dtype, tolerance", [("float64", 1e-12), ("float32", 1e-4)])
+def test_batched_forward_equals_one_session_at_a_time(tiny_pair, dtype, tolerance):
+    alone, batched = make_engine(tiny_pair[1], dtype=dtype), make_engine(tiny_pair[1], dtype=dtype)
+    requests = _mixed_sessions(alone)
+    assert _mixed_sessions(batched) == requests
+    for _ in range(2):  # the second round runs on caches the batched pass itself built
+        expected = [alone.forward(session, extra) for session, extra in requests]
+        got = batched.forward_many(requests)
+        for (session, extra), want, row in zip(requests, expected, got):
+            assert row.shape == (len(extra) + 1, alone.vocab_size) and row.dtype == torch.float32
+            torch.testing.assert_close(row, want, rtol=tolerance, atol=tolerance)
+            assert torch.equal(row.argmax(-1), want.argmax(-1)), session
+            assert batched.tokens(session) == alone.tokens(session)
+            assert batched.kv_length(session) == alone.kv_length(session)
+        # next round: each session's argmax as its drafts, K = 0, 1, 2
+        requests = [(session, [int(rows[-1].argmax())] * (i % 3))
+                    for i, ((session, _), rows) in enumerate(zip(requests, got))]
+
+
+def test_a_batch_of_one_is_the_stock_forward_bit_for_bit(tiny_pair):
+    engine = make_engine(tiny_pair[1])
+    for session in ("stock", "ragged"):
+        engine.sync(session, 0, PROMPT)
+    for extra in ([], [1, 2], [3], [4, 5, 6, 7]):
+        assert torch.equal(engine.forward_many([("ragged", extra)])[0], engine.forward("stock", extra))
+
+
+def test_a_refused_request_leaves_every_session_of_the_batch_untouched(target):
+    target.sync("ok", 0, PROMPT)
+    for bad in ([("ok", [1]), ("never-synced", [2])], [("ok", [1]), ("ok", [2])], [("ok", [target.vocab_size])]):
+        with pytest.raises((PositionMismatch, ValueError)):
+            target.forward_many(bad)
+        assert target.tokens("ok") == tuple(PROMPT) and target.kv_length("ok") == 0
+    assert target.forward_many([]) == []
+
+
+def test_a_failed_batched_pass_resets_every_cache_but_keeps_tokens(tiny_pair, monkeypatch):
+    engine = make_engine(tiny_pair[1])
+    for session in ("a", "b"):
+        engine.sync(session, 0, PROMPT)
+        engine.forward(session)
+
+    def fail(hidden):  # runs after every layer has already extended every cache
+        raise RuntimeError("interrupted")
+
+    monkeypatch.setattr(engine.model.lm_head, "forward", fail)
+    with pytest.raises(RuntimeError):
+        engine.forward_many([("a", [1]), ("b", [2, 3])])
+    monkeypatch.undo()
+    assert [engine.kv_length(s) for s in "ab"] == [0, 0] and engine.tokens("a") == tuple(PROMPT) == engine.tokens("b")
+    engine.sync("ref", 0, PROMPT)
+    expected = engine.forward("ref", [1])
+    torch.testing.assert_close(engine.forward_many([("a", [1]), ("b", [1])])[1], expected, rtol=1e-4, atol=1e-4)

@@ -77,6 +77,8 @@ def test_completion_is_the_targets_greedy_text(cluster, client, reference, promp
     assert reply.usage.total_tokens == len(prompt_ids) + N_TOKENS
     specd = reply.model_extra["specd"]
     assert specd["rounds"] <= N_TOKENS and specd["drafted_tokens"] >= specd["accepted_tokens"] >= 0
+    assert specd["judged_tokens"] >= specd["accepted_tokens"]
+    assert specd["round_wall_s"] >= specd["draft_compute_s"] + specd["verify_compute_s"] > 0  # what `specd bench` reads
 
 
 def test_streamed_completion_joins_to_the_same_text_and_reports_usage(cluster, client, reference):

@@ -141,3 +141,25 @@ def test_fetch_when_ready_only_reports(tmp_path, monkeypatch, capsys):
 def test_fetch_rejects_unknown_role(tmp_path):
     with pytest.raises(ValueError, match="unknown roles"):
         models.fetch(tmp_path, roles=("drafter",))
+
+
+def test_concurrent_fetches_into_one_directory_take_turns(tmp_path, monkeypatch):
+    """Pods sharing a models volume each fetch as their init step: one at a time."""
+    import threading
+    import time
+
+    inside, overlaps = [], []
+
+    def slow_fetch(models_dir, roles, progress, keep_sources):
+        overlaps.append(len(inside))
+        inside.append(1)
+        time.sleep(0.2)
+        inside.pop()
+
+    monkeypatch.setattr(models, "_fetch_roles", slow_fetch)
+    threads = [threading.Thread(target=models.fetch, args=(tmp_path,), kwargs={"progress": False}) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=10)
+    assert overlaps == [0, 0, 0]

@@ -325,8 +325,13 @@ def test_a_new_session_inherits_timings_and_a_useless_drafts_verdict():
     learned = simulate(0.0, 2 + 3 + 100).state
     assert learned.mode == PLAIN
     fresh = inherit(learned)
-    assert fresh.mode == PLAIN and next_k(fresh, CONFIG) == 0  # no calibration, no re-trial at the start
-    assert fresh.plain_rounds_until_probe == learned.probe_interval and fresh.fallbacks == 0
+    assert fresh.mode == PLAIN and next_k(fresh, CONFIG) == 0  # no calibration: the prompt goes plainly
+    assert fresh.probe_interval == learned.probe_interval and fresh.fallbacks == 0
+    useless = simulate(0.0, 200, state=fresh)  # one probe of its own text, then the deployment's schedule
+    assert useless.ks[0] == 0 and useless.ks[1] > 0
+    assert useless.probes() <= 1 + 200 // (2 * learned.probe_interval)
+    good_text = simulate(0.9, 20, state=fresh)  # e.g. code after prose: the probe takes speculation back
+    assert good_text.modes[1] == SPECULATIVE and good_text.state.fallbacks == 0
     assert fresh.estimates.verify_s == learned.estimates.verify_s
     assert fresh.estimates.alpha == learned.estimates.alpha
     assert fresh.estimates.tested_count <= 2.0  # acceptance is only a light prior

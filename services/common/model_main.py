@@ -14,6 +14,7 @@ from services.common.metrics import serve_metrics
 from services.common.model_service import ModelServicer
 from services.common.server import run_until_signalled, start_server
 from services.common.telemetry import setup_tracing
+from services.common.worker import DEFAULT_MAX_BATCH
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +30,9 @@ def parse(role: str, default_port: int, argv: list[str] | None) -> argparse.Name
     settings.add(parser, "--max-sessions", type=int, default=64, help="KV caches kept; idle ones are evicted LRU")
     settings.add(parser, "--quantize", default="none", help="none | int8 (CPU; for a draft only: it changes numerics)")
     settings.add(parser, "--metrics-port", type=int, default=0, help="serve Prometheus /metrics on this port (0: off)")
+    if role == "target":
+        settings.add(parser, "--max-batch", type=int, default=DEFAULT_MAX_BATCH,
+                     help="verifications that queued while the model was busy share one forward pass, up to this many")
     args = parser.parse_args(argv)
     if args.model_dir is None:
         parser.error("--model-dir (or SPECD_MODEL_DIR) is required")
@@ -49,7 +53,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 def main(
     role: str,
     default_port: int,
-    servicer_cls: Callable[[ModelEngine, str], ModelServicer],
+    make_servicer: Callable[[ModelEngine, argparse.Namespace], ModelServicer],
     register: Callable,
     argv: list[str] | None = None,
 ) -> None:
@@ -57,7 +61,7 @@ def main(
     args = parse(role, default_port, argv)
     setup_tracing(f"specd-{role}")
     engine = ModelEngine(engine_config(args))
-    servicer = servicer_cls(engine, role)
+    servicer = make_servicer(engine, args)
 
     async def serve() -> None:
         server, port = await start_server(register(servicer), f"{args.host}:{args.port}")

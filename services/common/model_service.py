@@ -21,6 +21,11 @@ T = TypeVar("T")
 tracer = trace.get_tracer(__name__)
 
 
+def span_attributes(session_id: str, sync: SyncPoint) -> dict[str, str | int]:
+    return {"specd.session_id": session_id, "specd.sync.start_pos": sync.start_pos,
+            "specd.sync.tokens": len(sync.tokens)}
+
+
 class ModelServicer:
     def __init__(self, engine: ModelEngine, name: str):
         self.engine = engine
@@ -36,20 +41,22 @@ class ModelServicer:
         The span covers exactly that model time (the RPC's server span also counts the queue);
         `work` may add attributes to it (`trace.get_current_span()`).
         """
-        attributes = {"specd.session_id": session_id, "specd.sync.start_pos": sync.start_pos,
-                      "specd.sync.tokens": len(sync.tokens)}
 
         def call() -> tuple[T, float]:
-            with tracer.start_as_current_span(span, attributes=attributes):
+            with tracer.start_as_current_span(span, attributes=span_attributes(session_id, sync)):
                 start = time.perf_counter()
                 try:
-                    self._check_instance(session_id, sync)
-                    result = work(self.engine.sync(session_id, sync.start_pos, sync.tokens))
+                    result = work(self.sync_session(session_id, sync))
                 finally:
                     self.metrics.engine_changed(self.engine)  # a sync may evict, even one that then fails
                 return result, time.perf_counter() - start
 
         return await self.worker.run(call)
+
+    def sync_session(self, session_id: str, sync: SyncPoint) -> int:
+        """Worker thread: bring the session to the committed tokens; returns its position."""
+        self._check_instance(session_id, sync)
+        return self.engine.sync(session_id, sync.start_pos, sync.tokens)
 
     def _check_instance(self, session_id: str, sync: SyncPoint) -> None:
         """A prefix held by another process (a restart, another replica) is not ours to build on,

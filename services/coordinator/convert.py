@@ -46,6 +46,10 @@ def stats_to_proto(
         drafted_per_position=stats.drafted_per_position,
         fallbacks=stats.fallbacks,
         resyncs=stats.resyncs,
+        judged_tokens=stats.judged,
+        draft_compute_s=stats.draft_compute_s,
+        verify_compute_s=stats.verify_compute_s,
+        round_wall_s=stats.round_wall_s,
         mode=mode,
     )
 

@@ -213,6 +213,10 @@ def stats_json(stats: SessionStats) -> dict:
         "drafted_per_position": list(stats.drafted_per_position),
         "fallbacks": stats.fallbacks,
         "resyncs": stats.resyncs,
+        "judged_tokens": stats.judged,
+        "draft_compute_s": stats.draft_compute_s,
+        "verify_compute_s": stats.verify_compute_s,
+        "round_wall_s": stats.round_wall_s,
     }
 
 

@@ -1,0 +1,192 @@
+"""specd as a Ray Serve application: draft and target model deployments and an ingress that is
+the coordinator with its OpenAI-compatible REST gateway, for when one host or one set of
+Deployments is not enough. The loop, the sessions in Redis, the gateway and the model work
+are the ones the gRPC services run; only the transport between coordinator and models is
+Ray's (deployment handles) instead of gRPC.
+
+    serve run services.ray_app:build_app target_model_dir=... draft_model_dir=... redis_url=...
+    specd serve-ray            # the same on a local Ray with the fetched pair and a local Redis
+
+Arguments (all strings, as `serve run` passes them): target_model_dir, draft_model_dir,
+redis_url (required); device (cpu), {draft,target,gateway}_cpus (1, 1, 0),
+draft_gpus / target_gpus (0), draft_replicas /
+target_replicas / gateway_replicas (1, or "auto" for autoscaling 1..max_replicas),
+max_replicas (4), draft_quantize (none | int8), dtype (float32), api_keys_file.
+
+Sessions: a request may reach any replica of a model deployment; a replica that does not
+hold the session's cache is sent the committed tokens from Redis (the loop's resync), so
+answers stay exact, but several replicas per model cost re-prefills (see the README).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from fastapi import FastAPI
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from specd import speculation
+from specd.engine import EngineConfig, ModelEngine, PositionMismatch
+from specd.loop import DraftReply, Services, StaleSession, SyncPoint, VerifyReply
+from specd.sampling import SamplingParams
+from specd.verify import Proposal
+from services.common.model_service import ModelServicer
+from services.coordinator.auth import ApiKeys
+from services.coordinator.frontend import Frontend
+from services.coordinator.gateway import create_app
+from services.coordinator.model_info import load_model_info
+from services.coordinator.requests import Limits
+from services.coordinator.store import RedisSessionStore
+
+
+@dataclass(frozen=True)
+class _Stale:
+    """A replica that does not hold the claimed prefix (the loop's StaleSession, as a value)."""
+
+    position: int
+
+
+class _ModelDeployment:
+    """A model engine behind one worker thread, like the gRPC model services."""
+
+    def __init__(self, config: EngineConfig, role: str):
+        self.servicer = ModelServicer(ModelEngine(config), role)
+        self.engine = self.servicer.engine
+
+    async def _in_session(self, session_id: str, sync: SyncPoint, work, span: str):
+        """(result, compute seconds), or _Stale: the loop then resends the session (a value
+        rather than an exception across Ray, as FAILED_PRECONDITION is across gRPC)."""
+        try:
+            return await self.servicer.in_session(session_id, sync, work, span)
+        except PositionMismatch as mismatch:
+            return _Stale(mismatch.position)
+
+    async def release(self, session_id: str) -> None:
+        await self.servicer.worker.run(self.engine.release, session_id)
+
+
+@serve.deployment(name="draft")
+class DraftDeployment(_ModelDeployment):
+    def __init__(self, config: EngineConfig):
+        super().__init__(config, "draft")
+
+    async def propose(self, session_id: str, sync: SyncPoint, k: int, params: SamplingParams):
+        def draft(position: int):
+            return speculation.propose(self.engine, session_id, k, params), position
+
+        outcome = await self._in_session(session_id, sync, draft, "draft.propose")
+        if isinstance(outcome, _Stale):
+            return outcome
+        (proposal, position), compute_s = outcome
+        return DraftReply(proposal, position, self.engine.instance_id, compute_s)
+
+
+@serve.deployment(name="target")
+class TargetDeployment(_ModelDeployment):
+    def __init__(self, config: EngineConfig):
+        super().__init__(config, "target")
+
+    async def verify(self, session_id: str, sync: SyncPoint, proposal: Proposal, params: SamplingParams):
+        def verify(position: int):
+            verdict = speculation.verify_proposal(self.engine, session_id, proposal, params)
+            return verdict, self.engine.position(session_id)
+
+        outcome = await self._in_session(session_id, sync, verify, "target.verify")
+        if isinstance(outcome, _Stale):
+            return outcome
+        (verdict, position), compute_s = outcome
+        return VerifyReply(verdict, position, self.engine.instance_id, compute_s)
+
+
+class _Handle:
+    """The loop's Drafter / Verifier over a deployment handle."""
+
+    def __init__(self, handle: DeploymentHandle, method: str):
+        self._handle, self._method = handle, method
+
+    async def _call(self, *args):
+        reply = await getattr(self._handle, self._method).remote(*args)
+        if isinstance(reply, _Stale):
+            raise StaleSession(reply.position)
+        return reply
+
+    async def release(self, session_id: str) -> None:
+        await self._handle.release.remote(session_id)
+
+
+class RayDrafter(_Handle):
+    def __init__(self, handle: DeploymentHandle):
+        super().__init__(handle, "propose")
+
+    async def propose(self, session_id: str, sync: SyncPoint, k: int, params: SamplingParams) -> DraftReply:
+        return await self._call(session_id, sync, k, params)
+
+
+class RayVerifier(_Handle):
+    def __init__(self, handle: DeploymentHandle):
+        super().__init__(handle, "verify")
+
+    async def verify(self, session_id: str, sync: SyncPoint, proposal: Proposal, params: SamplingParams) -> VerifyReply:
+        return await self._call(session_id, sync, proposal, params)
+
+
+@serve.deployment(name="gateway")
+@serve.ingress()
+class GatewayDeployment:
+    """The coordinator: the transport-free loop over the two deployments, sessions in Redis,
+    served through the same FastAPI gateway as `python -m services.coordinator`."""
+
+    def __init__(self, draft: DeploymentHandle, target: DeploymentHandle, settings: dict[str, str]):
+        self.draft, self.target, self.settings = draft, target, settings
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        settings = self.settings
+        target_dir = Path(settings["target_model_dir"])
+        services = Services(
+            RayDrafter(self.draft), RayVerifier(self.target), RedisSessionStore(settings["redis_url"])
+        )
+        frontend = Frontend(services, load_model_info(target_dir), Limits())
+        keys_file = settings.get("api_keys_file")
+        keys = ApiKeys.from_file(Path(keys_file)) if keys_file else ApiKeys.open()
+        return create_app(frontend, keys, target_dir.resolve().name)
+
+
+REQUIRED_ARGS = ("target_model_dir", "draft_model_dir", "redis_url")
+ARGS = frozenset({
+    *REQUIRED_ARGS, "device", "dtype", "draft_quantize", "api_keys_file", "max_replicas",
+    *(f"{role}_{what}" for role in ("draft", "target", "gateway") for what in ("cpus", "gpus", "replicas")),
+})
+
+
+def build_app(args: dict[str, str]):
+    """The application builder `serve run services.ray_app:build_app key=value ...` calls."""
+    if unknown := set(args) - ARGS:
+        raise ValueError(f"unknown arguments {sorted(unknown)}; known: {sorted(ARGS)}")
+    for required in REQUIRED_ARGS:
+        if not args.get(required):
+            raise ValueError(f"{required}=... is required")
+    device, dtype = args.get("device", "cpu"), args.get("dtype", "float32")
+    draft_config = EngineConfig(Path(args["draft_model_dir"]), device=device, dtype=dtype,
+                                quantize=args.get("draft_quantize", "none"))
+    target_config = EngineConfig(Path(args["target_model_dir"]), device=device, dtype=dtype)
+    draft = DraftDeployment.options(**_scaling(args, "draft")).bind(draft_config)
+    target = TargetDeployment.options(**_scaling(args, "target")).bind(target_config)
+    return GatewayDeployment.options(**_scaling(args, "gateway")).bind(draft, target, dict(args))
+
+
+DEFAULT_CPUS = {"draft": 1.0, "target": 1.0, "gateway": 0.0}  # the gateway waits on I/O: it reserves no core
+
+
+def _scaling(args: dict[str, str], role: str) -> dict:
+    """Replicas (a number, or "auto" for Ray's autoscaler), CPUs and GPUs per replica."""
+    resources = {"num_cpus": float(args.get(f"{role}_cpus", DEFAULT_CPUS[role])),
+                 "num_gpus": float(args.get(f"{role}_gpus", 0))}
+    options: dict = {"ray_actor_options": resources}
+    replicas = args.get(f"{role}_replicas", "1")
+    if replicas == "auto":
+        options["autoscaling_config"] = {"min_replicas": 1, "max_replicas": int(args.get("max_replicas", 4))}
+    else:
+        options["num_replicas"] = int(replicas)
+    return options

@@ -1,0 +1,241 @@
+"""Cross-session batched verification: several sessions' verifications in one target pass.
+
+Speculation level: `verify_batch` decides exactly what `verify_proposal` decides one session at
+a time (greedy and sampled, mixed K). Service level, real gRPC servers with the tiny float64
+pair: concurrent generations are batched in the target and each stays token-identical to the
+target alone; a request that fails in a batch fails alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from specd.engine import EngineConfig, ModelEngine
+from specd.loop import SyncPoint
+from specd.sampling import SamplingParams
+from specd.speculation import prepare_verification, propose, verify_batch, verify_proposal
+from specd.verify import Proposal
+from services.common.worker import Batcher, EngineWorker
+from services.protogen.specd.v1 import coordinator_pb2, target_pb2_grpc
+from services.target import convert
+from services.target import server as target_server
+from tests.cluster import Cluster
+from tests.conftest import greedy_reference
+
+PROMPTS = [[72, 101, 108, 108, 111], [3, 17, 250, 42, 99, 7, 7, 128, 64, 5, 200], [9], [100, 101, 102, 103] * 4]
+
+
+# -- speculation: verify_batch = verify_proposal per session -----------------------------------
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=1.0, top_k=6, seed=3)],
+                         ids=["greedy", "sampled"])
+def test_verify_batch_decides_what_one_session_at_a_time_decides(tiny_pair, params):
+    draft_dir, target_dir = tiny_pair
+    draft = ModelEngine(EngineConfig(draft_dir, dtype="float64"))
+    alone, batched = (ModelEngine(EngineConfig(target_dir, dtype="float64")) for _ in range(2))
+    for session, prompt in enumerate(PROMPTS):
+        for engine in (draft, alone, batched):
+            engine.sync(str(session), 0, prompt)
+    for round_ in range(4):
+        proposals = {str(s): propose(draft, str(s), (s + round_) % 5, params) for s in range(len(PROMPTS))}
+        expected = {s: verify_proposal(alone, s, p, params) for s, p in proposals.items()}
+        checked = [prepare_verification(batched, s, p, params) for s, p in proposals.items()]
+        for v, verdict in zip(checked, verify_batch(batched, checked)):
+            assert verdict == expected[v.session_id]
+            assert batched.tokens(v.session_id) == alone.tokens(v.session_id)
+            draft.sync(v.session_id, v.position + verdict.num_accepted, [verdict.next_token])
+
+
+# -- the batcher --------------------------------------------------------------------------------
+
+
+def test_batcher_takes_what_queued_while_busy_keeps_one_call_per_key_and_fails_calls_alone():
+    worker = EngineWorker("test-batcher")
+    seen: list[list[tuple[str, int]]] = []
+
+    def run_batch(items: list[tuple[str, int]]) -> list[int | Exception]:
+        seen.append(items)
+        return [ValueError(f"bad {v}") if v < 0 else v * 10 for _, v in items]
+
+    batcher = Batcher(worker, run_batch, key=lambda item: item[0], max_batch=3)
+
+    async def main():
+        release = threading.Event()
+        blocked = asyncio.ensure_future(worker.run(release.wait))
+        calls = [asyncio.ensure_future(batcher.submit(item)) for item in
+                 [("a", 1), ("b", -2), ("a", 3), ("c", 4), ("d", 5)]]
+        while batcher.waiting < 5:
+            await asyncio.sleep(0.01)
+        release.set()
+        await blocked
+        return await asyncio.gather(*calls, return_exceptions=True)
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        worker.close()
+    assert results[0] == 10 and results[2:] == [30, 40, 50]
+    assert isinstance(results[1], ValueError) and str(results[1]) == "bad -2"
+    # the second "a" waits for the next turn; that turn also takes what is left, in arrival order
+    assert seen == [[("a", 1), ("b", -2), ("c", 4)], [("a", 3), ("d", 5)]]
+    assert (batcher.batches, batcher.largest) == (2, 3)
+
+
+def test_a_lone_call_does_not_wait_for_a_batch():
+    worker = EngineWorker("test-lone")
+    batcher = Batcher(worker, lambda items: [v for v in items], key=lambda item: item, max_batch=8)
+
+    async def main():
+        start = time.perf_counter()
+        assert await batcher.submit(7) == 7
+        return time.perf_counter() - start
+
+    try:
+        assert asyncio.run(main()) < 0.5
+    finally:
+        worker.close()
+    assert (batcher.batches, batcher.largest) == (1, 1)
+
+
+# -- real gRPC services --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_pair, redis_url):
+    c = Cluster(*tiny_pair, redis_url)
+    slow_down(c.target_engine)
+    yield c
+    c.close()
+
+
+def slow_down(engine: ModelEngine, seconds: float = 0.02) -> None:
+    """The tiny target is so fast that requests rarely meet; a real one is busy long enough that
+    they do. Each pass takes a little longer here, so concurrent rounds do queue up."""
+    forward_many = engine.forward_many
+
+    def slow(requests):
+        time.sleep(seconds)
+        return forward_many(requests)
+
+    engine.forward_many = slow
+
+
+def test_concurrent_generations_are_batched_and_each_is_the_target_alone(cluster, tiny_pair):
+    reference = greedy_reference(tiny_pair[1])
+    texts = ["def add(a, b):", "Once upon a time", "The quick brown fox", "x = [1, 2, 3]", "Hej! Ça va?",
+             "import numpy as np", "while True:", "SELECT * FROM"]
+    n_tokens = 20
+    largest_before = cluster.target.batcher.largest
+
+    def complete(i: int) -> list[int]:
+        with grpc.insecure_channel(cluster.address("coordinator")) as channel:
+            request = coordinator_pb2.GenerateRequest(
+                text=texts[i], max_tokens=n_tokens, ignore_eos=True,
+                **({"speculation": False} if i == 0 else {"num_draft_tokens": i % 5 + 1}),  # K = 0 (plain steps) .. 5
+            )
+            return list(cluster.coordinator(channel).Complete(request, timeout=120).token_ids)
+
+    with ThreadPoolExecutor(len(texts)) as pool:
+        outputs = list(pool.map(complete, range(len(texts))))
+    for text, output in zip(texts, outputs):
+        assert output == reference(cluster.model.encode(text), n_tokens), text
+    assert cluster.target.batcher.largest >= 3 > largest_before
+
+
+def test_a_request_that_fails_in_a_batch_fails_alone(cluster):
+    target, servicer = cluster.target_engine, cluster.target
+    prompt = (72, 101, 108, 108, 111)
+    good = SyncPoint(0, prompt)
+    calls = {  # session -> (sync, drafts, expected status)
+        "batch-ok-1": (good, (1, 2), grpc.StatusCode.OK),
+        "batch-stale": (SyncPoint(3, (108, 111), "another-instance"), (1,), grpc.StatusCode.FAILED_PRECONDITION),
+        "batch-bad-token": (good, (target.vocab_size,), grpc.StatusCode.INVALID_ARGUMENT),
+        "batch-ok-2": (good, (), grpc.StatusCode.OK),
+    }
+    expected = {}
+    for session, (sync, drafts, _) in calls.items():
+        reference = f"{session}-alone"
+        target.sync(reference, 0, sync.tokens)
+        if calls[session][2] == grpc.StatusCode.OK:
+            expected[session] = verify_proposal(target, reference, Proposal(drafts, ()), SamplingParams())
+    batches_before = servicer.batcher.batches
+
+    def verify(session: str):
+        sync, drafts, _ = calls[session]
+        request = convert.verify_request(session, sync, Proposal(drafts, ()), SamplingParams())
+        if not drafts:
+            request = convert.step_request(session, sync, SamplingParams())
+        with grpc.insecure_channel(cluster.address("target")) as channel:
+            stub = target_pb2_grpc.TargetServiceStub(channel)
+            try:
+                reply = (stub.Verify if drafts else stub.Step)(request, timeout=60)
+            except grpc.RpcError as error:
+                return error.code(), None
+            return grpc.StatusCode.OK, convert.verify_reply(reply)
+
+    release = threading.Event()
+    blocked = asyncio.run_coroutine_threadsafe(servicer.worker.run(release.wait), cluster.loop)
+    with ThreadPoolExecutor(len(calls)) as pool:
+        replies = [pool.submit(verify, session) for session in calls]
+        while servicer.batcher.waiting < len(calls):
+            time.sleep(0.01)
+        release.set()
+        blocked.result(timeout=10)
+        outcomes = dict(zip(calls, (r.result() for r in replies)))
+    assert servicer.batcher.batches == batches_before + 1  # all four went through one pass
+    for session, (code, reply) in outcomes.items():
+        assert code == calls[session][2], session
+    for session in ("batch-ok-1", "batch-ok-2"):
+        reply = outcomes[session][1]
+        assert reply.verdict == expected[session]
+        assert reply.position == target.position(session) == len(prompt) + reply.verdict.num_accepted + 1
+        assert target.tokens(session)[len(prompt):] == (*calls[session][1][: reply.verdict.num_accepted],
+                                                        reply.verdict.next_token)
+
+
+def test_each_request_of_a_batch_gets_its_own_span_under_its_own_rpc(cluster, monkeypatch):
+    exporter, provider = InMemorySpanExporter(), TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer = provider.get_tracer("test")  # the process's global provider stays untouched
+    monkeypatch.setattr(target_server, "tracer", tracer)
+    servicer = cluster.target
+    calls = [convert.VerifyCall(f"span-{k}", SyncPoint(0, (72, 101, 108)), Proposal(tuple(range(1, k + 1)), ()),
+                                SamplingParams()) for k in range(3)]
+
+    async def rpc(call: convert.VerifyCall):
+        with tracer.start_as_current_span(f"rpc {call.session_id}"):  # stands in for the gRPC server span
+            return await servicer._verify(call)
+
+    async def batch():
+        release = threading.Event()
+        blocked = asyncio.ensure_future(servicer.worker.run(release.wait))
+        replies = [asyncio.ensure_future(rpc(call)) for call in calls]
+        while servicer.batcher.waiting < len(calls):
+            await asyncio.sleep(0.01)
+        release.set()
+        await blocked
+        return await asyncio.gather(*replies)
+
+    replies = asyncio.run_coroutine_threadsafe(batch(), cluster.loop).result(timeout=60)
+    spans = exporter.get_finished_spans()
+    for call, reply in zip(calls, replies):
+        k = len(call.proposal.tokens)
+        (work,) = [s for s in spans if s.name.startswith("target.")
+                   and s.attributes["specd.session_id"] == call.session_id]
+        (parent,) = [s for s in spans if s.name == f"rpc {call.session_id}"]
+        assert work.name == ("target.verify" if k else "target.step")
+        assert work.parent.span_id == parent.context.span_id
+        a = work.attributes
+        assert (a["specd.k"], a["specd.accepted"], a["specd.position"], a["specd.batch_size"]) == (
+            k, reply.num_accepted, 3, len(calls))
+        assert reply.compute_s == pytest.approx(replies[0].compute_s)  # the batch's model time

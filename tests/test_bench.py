@@ -1,0 +1,59 @@
+"""`specd bench` end to end on the tiny pair: real `specd up` processes, HF assisted in process,
+the JSON's fields and the losslessness check. No timing assertions: the figures are the bench's job."""
+
+import json
+
+import pytest
+
+from benchmarks import bench, common
+from benchmarks.bench import ADAPTIVE, HF_ASSISTED, PLAIN, BenchConfig, Measured, mismatches
+
+
+@pytest.fixture
+def results_dir(tmp_path, monkeypatch):
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    monkeypatch.setattr(bench, "RESULTS", tmp_path)
+    return tmp_path
+
+
+def test_bench_runs_end_to_end_and_reports_every_figure(tiny_pair, redis_url, results_dir):
+    draft_dir, target_dir = tiny_pair
+    cfg = BenchConfig(
+        tokens=6, ks=(1, 2), concurrency=2, draft_dir=draft_dir, target_dir=target_dir, name="tiny", progress=False,
+        up_flags=("--draft-threads", "1", "--target-threads", "1", "--redis-url", redis_url),
+    )
+    bench.run(cfg)
+
+    result = json.loads((results_dir / "tiny.json").read_text())
+    assert result["lossless"]["mismatches"] == [] and result["lossless"]["checked"] == 3 * 6 + 2 * 2
+    assert set(result["classes"]) == {"code", "prose", "chat"}
+    for summary in result["classes"].values():
+        assert set(summary["configs"]) == {PLAIN, "K=1", "K=2", ADAPTIVE, HF_ASSISTED, "hf_plain"}
+        for config in ("K=1", "K=2", ADAPTIVE):
+            row = summary["configs"][config]
+            for key in ("tokens_per_s", "speedup", "alpha", "mean_acceptance_length", "ttft_s", "tpot_p50_s",
+                        "tpot_p99_s", "rounds", "theoretical_speedup", "achieved_over_theoretical",
+                        "overhead_fraction_of_target_step"):
+                assert key in row, (config, key)
+        assert {"draft_step", PLAIN, "K=1", "K=2"} <= set(summary["step_times_s"])
+    assert result["concurrency"]["sessions"] == 2 and "ratio" in result["concurrency"]
+    assert "pipelined_drafting" in result and result["goals"]
+    for run in result["runs"]:
+        if run["config"].startswith("K="):
+            assert run["judged_tokens"] >= run["accepted_tokens"] and run["draft_compute_s"] > 0
+            assert run["round_wall_s"] >= run["draft_compute_s"] + run["verify_compute_s"]
+    assert all((results_dir / name).stat().st_size > 0 for name in result["plots"])
+
+
+def _run(config: str, output: tuple[int, ...]) -> Measured:
+    return Measured(config, "p", "code", output, 1.0, ((0.1, 1),))
+
+
+def test_an_output_that_differs_from_plain_decoding_is_reported():
+    plain = {"p": (5, 6, 7, 8)}
+    assert mismatches(plain, [_run("K=2", (5, 6, 7, 8))]) == []
+    (problem,) = mismatches(plain, [_run("K=2", (5, 6, 9, 8))])
+    assert problem.startswith("K=2 on p") and "token 2" in problem
+    (shorter,) = mismatches(plain, [_run(HF_ASSISTED, (5, 6, 7))])
+    assert "token 3" in shorter and "lengths 3 vs 4" in shorter
+    assert bench.LosslessViolation("LOSSLESS VIOLATION").code != 0

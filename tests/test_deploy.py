@@ -1,0 +1,201 @@
+"""The deployment files, validated offline (no Docker engine or cluster here): every kustomize
+overlay against the Kubernetes 1.32 schemas in strict mode, compose.yaml (and with the CPU
+override merged in) against the compose-spec schema and `docker-compose config`, the
+Dockerfile with hadolint; and every environment variable the manifests set for a specd
+container is one that container's entrypoint actually reads."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from functools import cache
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+OVERLAYS = sorted(p.name for p in (ROOT / "k8s" / "overlays").iterdir() if p.is_dir())
+ENTRYPOINTS = {  # how a container's command names what runs in it
+    "services.draft": [sys.executable, "-m", "services.draft", "--help"],
+    "services.target": [sys.executable, "-m", "services.target", "--help"],
+    "services.coordinator": [sys.executable, "-m", "services.coordinator", "--help"],
+    "models fetch": [sys.executable, "-m", "services.cli", "models", "fetch", "--help"],
+}
+
+
+def run(*cmd: str, stdin: str | None = None) -> str:
+    done = subprocess.run(cmd, input=stdin, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, f"{' '.join(cmd)}:\n{done.stdout}\n{done.stderr}"
+    return done.stdout
+
+
+def tool(name: str) -> str:
+    path = shutil.which(name, path=f"{BIN}:/usr/local/bin:/usr/bin")
+    assert path, f"{name} is not installed (scripts/test installs it)"
+    return path
+
+
+@cache
+def kustomize(overlay: str) -> str:
+    return run(tool("kubectl"), "kustomize", f"k8s/overlays/{overlay}")
+
+
+# --- Kubernetes ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_overlay_is_valid_kubernetes(overlay):
+    run(tool("kubernetes-validate"), "--strict", "-k", "1.32.0", "-", stdin=kustomize(overlay))
+
+
+def test_gpu_overlay_pins_each_model_service_to_its_own_gpu_pool():
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(kustomize("gpu")) if d}
+    for role in ("draft", "target"):
+        pod = docs["Deployment", role]["spec"]["template"]["spec"]
+        assert pod["nodeSelector"] == {"specd.io/pool": role}
+        assert any(t["key"] == "nvidia.com/gpu" for t in pod["tolerations"])
+        container = pod["containers"][0]
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+        assert container["readinessProbe"]["grpc"] and container["livenessProbe"]["grpc"]
+        assert pod["initContainers"][0]["command"] == ["specd", "models", "fetch"]
+    kinds = {kind for kind, _ in docs}
+    assert {"HorizontalPodAutoscaler", "PodDisruptionBudget", "StatefulSet", "ConfigMap", "Service"} <= kinds
+    assert "volumeClaimTemplates" in docs["StatefulSet", "redis"]["spec"]
+
+
+# --- compose --------------------------------------------------------------------------------
+
+
+class Reset:
+    """compose's `!reset` tag: the override removes the key."""
+
+
+class ComposeLoader(yaml.SafeLoader):
+    pass
+
+
+ComposeLoader.add_constructor("!reset", lambda loader, node: Reset())
+
+
+def merge(base, override):
+    """Compose's merge of an override file: mappings merge key by key, `!reset` removes, the
+    rest (scalars, sequences of these files) is replaced."""
+    if not isinstance(base, dict) or not isinstance(override, dict):
+        return override
+    merged = dict(base)
+    for key, value in override.items():
+        if isinstance(value, Reset):
+            merged.pop(key, None)
+        else:
+            merged[key] = merge(base.get(key), value)
+    return merged
+
+
+def compose_files(tmp_path) -> dict[str, Path]:
+    base = yaml.load((ROOT / "compose.yaml").read_text(), ComposeLoader)
+    cpu = merge(base, yaml.load((ROOT / "compose.cpu.yaml").read_text(), ComposeLoader))
+    merged = tmp_path / "compose.merged-cpu.yaml"
+    merged.write_text(yaml.safe_dump(cpu))
+    return {"gpu": ROOT / "compose.yaml", "cpu": merged}
+
+
+@pytest.mark.parametrize("variant", ["gpu", "cpu"])
+def test_compose_is_valid(tmp_path, variant):
+    path = compose_files(tmp_path)[variant]
+    run(tool("check-jsonschema"), "--builtin-schema", "vendor.compose-spec", str(path))
+    run(tool("docker-compose"), "-f", str(path), "--project-directory", str(ROOT), "config", "-q")
+
+
+def test_compose_gives_each_model_service_its_own_gpu_and_the_cpu_override_none(tmp_path):
+    files = compose_files(tmp_path)
+    gpu = yaml.safe_load(files["gpu"].read_text())["services"]
+    cpu = yaml.safe_load(files["cpu"].read_text())["services"]
+    devices = {role: gpu[role]["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"] for role in ("draft", "target")}
+    assert devices == {"draft": ["${SPECD_DRAFT_GPU:-0}"], "target": ["${SPECD_TARGET_GPU:-1}"]}
+    assert "deploy" not in cpu["draft"] and "deploy" not in cpu["target"]
+    assert cpu["draft"]["environment"]["SPECD_DEVICE"] == "cpu"
+    for name, service in gpu.items():
+        assert "healthcheck" in service or name == "models", name  # `models` runs once and exits
+    assert gpu["coordinator"]["depends_on"]["draft"] == {"condition": "service_healthy"}
+    assert "--appendonly" in gpu["redis"]["command"]
+
+
+# --- Dockerfile -----------------------------------------------------------------------------
+
+
+def test_dockerfile_passes_hadolint_and_runs_as_non_root():
+    run(tool("hadolint"), "Dockerfile")
+    text = (ROOT / "Dockerfile").read_text()
+    assert re.search(r"^USER 10001$", text, re.M)
+    assert "/models" in text and "COPY models" not in text  # weights come from a volume
+
+
+# --- environment variables: set by the manifests, read by the services ----------------------
+
+
+@cache
+def reads(entrypoint: str) -> frozenset[str]:
+    """The variables an entrypoint reads: its settings (`[env SPECD_...]` in --help) and, for the
+    services, the OpenTelemetry variables of services/common/telemetry.py."""
+    names = set(re.findall(r"\[env\s+(SPECD_[A-Z_]+)", run(*ENTRYPOINTS[entrypoint])))
+    if entrypoint == "models fetch":
+        names.add("SPECD_MODELS_DIR")  # specd/models.py reads it directly
+    else:
+        names |= set(re.findall(r"OTEL_[A-Z_]+[A-Z]", (ROOT / "services/common/telemetry.py").read_text()))
+    return frozenset(names)
+
+
+def entrypoint_of(command: list[str]) -> str | None:
+    text = " ".join(command)
+    return next((name for name in ENTRYPOINTS if name in text), None)
+
+
+def k8s_containers(overlay: str):
+    for doc in yaml.safe_load_all(kustomize(overlay)):
+        pod = (doc or {}).get("spec", {}).get("template", {}).get("spec", {})
+        for container in pod.get("initContainers", []) + pod.get("containers", []):
+            yield f"{overlay}/{doc['metadata']['name']}/{container['name']}", container.get("command", []), {
+                e["name"] for e in container.get("env", [])
+            }
+
+
+def compose_containers(tmp_path):
+    for variant, path in compose_files(tmp_path).items():
+        for name, service in yaml.safe_load(path.read_text())["services"].items():
+            yield f"compose-{variant}/{name}", service.get("command", []), set(service.get("environment", {}))
+
+
+def test_every_variable_the_manifests_set_is_read_by_that_container(tmp_path):
+    checked = 0
+    for where, command, env in [*compose_containers(tmp_path), *(c for o in OVERLAYS for c in k8s_containers(o))]:
+        entrypoint = entrypoint_of(command)
+        if entrypoint is None:  # redis, jaeger: not ours
+            continue
+        unread = env - reads(entrypoint)
+        assert not unread, f"{where} sets {sorted(unread)}, which {entrypoint} never reads"
+        checked += 1
+    assert checked >= 12  # 4 compose services x 2 variants + 3 Deployments x 2 overlays, and init steps
+    image_env = set(re.findall(r"^\s+(SPECD_[A-Z_]+)=", (ROOT / "Dockerfile").read_text(), re.M))
+    assert image_env and image_env <= reads("services.draft") | reads("models fetch")
+
+
+# --- KubeRay --------------------------------------------------------------------------------
+
+
+def test_rayservice_runs_our_application_with_arguments_it_accepts():
+    """The CRD is not in the Kubernetes schemas: check what it hands to services/ray_app.py."""
+    from services import ray_app
+
+    service = yaml.safe_load((ROOT / "k8s" / "ray" / "rayservice.yaml").read_text())
+    assert (service["apiVersion"], service["kind"]) == ("ray.io/v1", "RayService")
+    (application,) = yaml.safe_load(service["spec"]["serveConfigV2"])["applications"]
+    assert application["import_path"] == "services.ray_app:build_app"
+    ray_app.build_app(application["args"])  # builds the deployment graph: names and values are accepted
+    with pytest.raises(ValueError, match="unknown arguments"):
+        ray_app.build_app({**application["args"], "targt_gpus": "1"})
+    workers = service["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    assert all(w["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1 for w in workers)
