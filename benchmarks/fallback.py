@@ -4,9 +4,11 @@ at most 10 % against plain decoding; with the real pair on code prompts it must 
 
 Requests run one after another on one deployment, as a server sees them: the first one
 pays for discovering that the draft is useless; later ones start from what the deployment
-learned (`specd.policy.inherit`) and only probe now and then.
+learned (`specd.policy.inherit`) and only probe now and then. Each prompt runs `--repeats`
+times, plain first then adaptive first in turn, so a drift of the machine's speed during the
+run does not favour either; ratios are over the summed times.
 
-    .venv/bin/python -m benchmarks.fallback [--tokens 64]
+    .venv/bin/python -m benchmarks.fallback [--tokens 64] [--repeats 2]
 
 The useless draft is the real 0.5B architecture with seeded random weights (so a probe
 costs what a real draft step costs). Every configuration runs through the real services
@@ -51,38 +53,60 @@ def random_draft() -> str:
     return str(out)
 
 
-def compare(stub, prompt_name: str, prompt: str, tokens: int) -> dict:
-    plain = timed(stub, "plain", prompt, tokens, speculation=False)
-    adaptive = timed(stub, "adaptive", prompt, tokens)
-    if adaptive.token_ids != plain.token_ids:
+def compare(stub, prompt_name: str, prompt: str, tokens: int, plain_first: bool) -> dict:
+    def plain():
+        return timed(stub, "plain", prompt, tokens, speculation=False)
+
+    def adaptive():
+        return timed(stub, "adaptive", prompt, tokens)
+
+    runs = [plain(), adaptive()] if plain_first else [adaptive(), plain()]
+    if runs[0].token_ids != runs[1].token_ids:
         raise SystemExit(f"LOSSLESS VIOLATION on {prompt_name}: speculative output differs from plain decoding")
-    return {
-        "prompt": prompt_name,
-        "ratio_vs_plain": round(adaptive.tokens_per_s / plain.tokens_per_s, 3),
-        "runs": runs_json([plain, adaptive]),
-    }
+    return {"prompt": prompt_name, "runs": runs_json(runs)}
+
+
+def ratio(runs: list[dict]) -> float:
+    """Adaptive vs plain tokens per second over the given runs together."""
+    rate = {}
+    for label in ("plain", "adaptive"):
+        mine = [r for r in runs if r["label"] == label]
+        rate[label] = sum(r["tokens"] for r in mine) / sum(r["wall_s"] for r in mine)
+    return round(rate["adaptive"] / rate["plain"], 3)
+
+
+def session_mix(stub, prompts: dict[str, str], tokens: int, repeats: int) -> list[dict]:
+    """Every prompt `repeats` times, the order of plain and adaptive alternating; per prompt,
+    the runs of all repeats and their ratio."""
+    comparisons = [
+        compare(stub, name, text, tokens, plain_first=repeat % 2 == 0)
+        for repeat in range(repeats)
+        for name, text in prompts.items()
+    ]
+    return [
+        {"prompt": name, "ratio_vs_plain": ratio(runs), "runs": runs}
+        for name in prompts
+        for runs in [[r for c in comparisons if c["prompt"] == name for r in c["runs"]]]
+    ]
 
 
 def overall(comparisons: list[dict]) -> float:
     """Adaptive vs plain over all prompts together: tokens per second of the whole session mix."""
-    rate = {}
-    for label in ("plain", "adaptive"):
-        runs = [r for c in comparisons for r in c["runs"] if r["label"] == label]
-        rate[label] = sum(r["tokens"] for r in runs) / sum(r["wall_s"] for r in runs)
-    return round(rate["adaptive"] / rate["plain"], 3)
+    return ratio([r for c in comparisons for r in c["runs"]])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
     fetch()
-    result = {"machine": machine(), "tokens": args.tokens}
+    result = {"machine": machine(), "tokens": args.tokens, "repeats": args.repeats}
     with specd_up("--draft-model-dir", random_draft()) as stub:
-        result["useless_draft"] = [compare(stub, name, text, args.tokens) for name, text in PROMPTS.items()]
+        result["useless_draft"] = session_mix(stub, PROMPTS, args.tokens, args.repeats)
     result["useless_draft_overall_ratio"] = overall(result["useless_draft"])
     with specd_up() as stub:  # the first code request starts with no learned prior
-        result["real_pair_code"] = [compare(stub, name, text, args.tokens) for name, text in CODE_PROMPTS.items()]
+        result["real_pair_code"] = session_mix(stub, CODE_PROMPTS, args.tokens, args.repeats)
     result["real_pair_code_overall_ratio"] = overall(result["real_pair_code"])
     path = write("fallback", result)
     print(json.dumps({k: v for k, v in result.items() if k != "machine"}, indent=2))

@@ -15,7 +15,7 @@ linearly interpolated between measured K (see `verify_time`).
 
 The policy runs in two modes. *Speculative*: K = argmax S(K) over 1..max_k, and fall back to
 plain decoding when max S < off_below. *Plain*: K = 0, except a probe round every
-`probe_interval` rounds that drafts again to re-measure α; a failed probe doubles the interval
+`probe_interval` rounds that drafts `probe_k` tokens to re-measure α; a failed probe doubles the interval
 (up to probe_max), so a useless draft costs O(log n) draft calls over n tokens. Switching back
 needs max S > on_above: the gap between off_below and on_above is the hysteresis that stops a
 draft sitting at break-even from flipping the mode every round.
@@ -55,7 +55,8 @@ MIN_JUDGED = 16  # drafts judged in this session before timings alone may switch
 @dataclass(frozen=True)
 class PolicyConfig:
     max_k: int = 8  # the server's bound; a request may lower it
-    default_k: int = 4  # K before anything is measured, for probes, and the fixed K when not adaptive
+    default_k: int = 4  # K before anything is measured, and the fixed K when not adaptive
+    probe_k: int = 1  # K of a probe in plain mode: the cheapest probe; a good draft passes it as often as K = 4
     adaptive: bool = True  # False: K stays min(default_k, max_k); the fallback still guards
     off_below: float = 0.95  # fall back to plain decoding when the best predicted speedup < this
     on_above: float = 1.05  # leave plain mode (after a probe) only when it is > this (hysteresis)
@@ -67,6 +68,7 @@ class PolicyConfig:
     def validate(self) -> None:
         validate_that(self.max_k >= 1, f"max_k must be >= 1, got {self.max_k}")
         validate_that(self.default_k >= 1, f"default_k must be >= 1, got {self.default_k}")
+        validate_that(self.probe_k >= 1, f"probe_k must be >= 1, got {self.probe_k}")
         validate_that(self.off_below <= self.on_above, "off_below must not exceed on_above")
         validate_that(1 <= self.probe_every <= self.probe_max, "need 1 <= probe_every <= probe_max")
         validate_that(0.0 < self.smoothing <= 1.0, f"smoothing must be in (0, 1], got {self.smoothing}")
@@ -234,7 +236,7 @@ def next_k(state: PolicyState, config: PolicyConfig) -> int:
     if _calibrating(state):
         return 0
     if state.mode == PLAIN:
-        return _start_k(config) if state.plain_rounds_until_probe <= 0 else 0
+        return min(config.probe_k, config.max_k) if state.plain_rounds_until_probe <= 0 else 0
     return _start_k(config) if not config.adaptive else min(max(state.k, 1), config.max_k)
 
 

@@ -21,6 +21,7 @@ from specd.policy import (
     RoundObservation,
     best_k,
     expected_tokens,
+    inherit,
     next_k,
     observe,
     predicted_speedup,
@@ -243,7 +244,7 @@ def test_probe_schedule_in_plain_mode():
     for _ in range(4):
         ks.append(next_k(state, CONFIG))
         state = observe(state, cpu_round(ks[-1], 0), CONFIG)
-    assert ks == [0, 0, CONFIG.default_k, 0]
+    assert ks == [0, 0, CONFIG.probe_k, 0]
     assert (state.probe_interval, state.plain_rounds_until_probe) == (32, 31)
 
 
@@ -320,8 +321,6 @@ def test_one_slow_early_verify_does_not_switch_a_good_draft_off():
 
 
 def test_a_new_session_inherits_timings_and_a_useless_drafts_verdict():
-    from specd.policy import inherit
-
     learned = simulate(0.0, 2 + 3 + 100).state
     assert learned.mode == PLAIN
     fresh = inherit(learned)
@@ -337,6 +336,29 @@ def test_a_new_session_inherits_timings_and_a_useless_drafts_verdict():
     assert fresh.estimates.tested_count <= 2.0  # acceptance is only a light prior
     good = inherit(simulate(0.95, 50).state)
     assert good.mode == "speculative" and next_k(good, CONFIG) == good.k >= 4  # straight to a measured K
+
+
+def test_a_one_draft_probe_takes_good_text_back_as_often_as_four():
+    """A deployment that dropped a useless-on-prose draft gets code (α = 0.9) at the real pair's
+    timings: the new session's probe must take speculation back; K = 1 costs least and passes
+    at least as often as K = 4."""
+
+    def slow_round(k: int, accepted: int) -> RoundObservation:
+        return RoundObservation(k, accepted, 0.08 * k, 0.43 * (1 + 0.33 * k), RTT)
+
+    def taken_back(config: PolicyConfig) -> float:
+        learned = simulate(0.0, 100, config=config).state
+        back = 0
+        for seed in range(100):
+            rng, state = random.Random(seed), inherit(learned)
+            for _ in range(3):
+                k = next_k(state, config)
+                state = observe(state, slow_round(k, draw_accepted(rng, 0.9, k)), config)
+            back += state.mode == SPECULATIVE
+        return back / 100
+
+    one, four = taken_back(CONFIG), taken_back(PolicyConfig(probe_k=4))
+    assert CONFIG.probe_k == 1 and one >= four and one >= 0.8
 
 
 def test_an_unlucky_start_does_not_switch_a_good_draft_off():
