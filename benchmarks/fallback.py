@@ -77,7 +77,9 @@ def ratio(runs: list[dict]) -> float:
 
 def session_mix(stub, prompts: dict[str, str], tokens: int, repeats: int) -> list[dict]:
     """Every prompt `repeats` times, the order of plain and adaptive alternating; per prompt,
-    the runs of all repeats and their ratio."""
+    the runs of all repeats and their ratio. A plain request first warms the target up (a fresh
+    process's first request runs ~30 % slow); it teaches the policy nothing (K is pinned to 0)."""
+    timed(stub, "warm-up", next(iter(prompts.values())), 8, speculation=False)
     comparisons = [
         compare(stub, name, text, tokens, plain_first=repeat % 2 == 0)
         for repeat in range(repeats)
