@@ -533,6 +533,8 @@ def _result(cfg, prompts, runs, probes, scaling, duration_s) -> dict:
             "tokens": cfg.tokens, "ks": list(cfg.ks), "prompts": {p.name: p.kind for p in prompts},
             "concurrency": cfg.concurrency, "greedy": True,
             "services": cfg.address or "specd up " + " ".join(cfg.up_flags),
+            "threads": {role: _flag(cfg.up_flags, f"--{role}-threads") or f"torch default ({os.cpu_count()} cores)"
+                        for role in ("draft", "target")},
             "hf_assisted": "transformers generate(assistant_model=draft, do_sample=False), default "
                            "num_assistant_tokens=20, schedule constant, assistant_confidence_threshold=0.4; "
                            "ModelEngine numerics (fp32 target + small-row matmul, int8 draft)",
@@ -541,12 +543,17 @@ def _result(cfg, prompts, runs, probes, scaling, duration_s) -> dict:
         "lossless": {"checked": len(checked), "mismatches": mismatches(reference, checked)},
         "classes": classes,
         "concurrency": scaling and {k: v for k, v in scaling.items() if k != "runs"},
-        "pipelined_drafting": None,  # not built yet (issue 5, separate work): its figures go here
+        "pipelined_drafting": "benchmarks/results/pipeline.json (python -m benchmarks.pipeline: injected RTT, "
+                              "thread splits, off / on / auto)",
         "goals": goals(classes, scaling),
         "prefill_probes_s": _rounded(probes),
         "runs": [_run_json(r) for r in checked],
         "plots": [p.name for p in plots],  # next to this file
     }
+
+
+def _flag(flags: tuple[str, ...], name: str) -> str | None:
+    return flags[flags.index(name) + 1] if name in flags else None
 
 
 def _run_json(run: Measured) -> dict:
@@ -571,10 +578,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target-model-dir", type=Path, help="default: the fetched target")
     parser.add_argument("--no-hf", action="store_true", help="skip Hugging Face assisted generation")
     parser.add_argument("--name", default="bench", help="result name under benchmarks/results/")
+    parser.add_argument("--draft-threads", type=int, help="torch threads of the draft service (default: all cores)")
+    parser.add_argument("--target-threads", type=int, help="torch threads of the target service (default: all cores)")
+    parser.add_argument("--pipeline", default="off", help="off | on | auto: the services' pipelined drafting")
     args = parser.parse_args(argv)
+    up_flags = ("--pipeline", args.pipeline) + tuple(
+        arg for role in ("draft", "target") if getattr(args, f"{role}_threads")
+        for arg in (f"--{role}-threads", str(getattr(args, f"{role}_threads")))
+    )
     cfg = BenchConfig(
         tokens=args.tokens, ks=tuple(int(k) for k in args.ks.split(",")), prompts_per_class=args.prompts_per_class,
-        concurrency=args.concurrency, address=args.address, draft_dir=args.draft_model_dir,
+        concurrency=args.concurrency, address=args.address, up_flags=up_flags, draft_dir=args.draft_model_dir,
         target_dir=args.target_model_dir, hf=not args.no_hf, name=args.name,
     )
     result = run(cfg)

@@ -34,6 +34,9 @@ def main(argv: list[str] | None = None) -> None:
     fetch = models.add_parser("fetch", help="download, verify (sha256) and convert the real pair")
     settings.add(fetch, "--models-dir", type=Path, help="where converted models live (default ~/.cache/specd/models)")
     fetch.set_defaults(run=cmd_fetch)
+    check = models.add_parser("check", help="exit 0 when the pair is fetched, verified and converted (healthchecks)")
+    settings.add(check, "--models-dir", type=Path, help="where converted models live (default ~/.cache/specd/models)")
+    check.set_defaults(run=cmd_check)
 
     up = commands.add_parser("up", help="start draft, target and coordinator on this machine and wait")
     settings.add(up, "--models-dir", type=Path, help="where converted models live (default ~/.cache/specd/models)")
@@ -46,6 +49,8 @@ def main(argv: list[str] | None = None) -> None:
     settings.add(up, "--draft-quantize", default="int8", help="int8 | none: the draft's weights (never the target's)")
     settings.add(up, "--target-threads", type=int, help="torch threads of the target service")
     settings.add(up, "--default-k", type=int, default=4, help="draft tokens per round")
+    settings.add(up, "--pipeline", default="off", help="off | on | auto: draft ahead while the target verifies")
+    settings.add(up, "--inject-rtt-ms", type=float, default=0.0, help="benchmarks: delay every model-service call")
     settings.add(up, "--redis-url", help="session store; default: start a local redis-server")
     settings.add(up, "--http-port", type=int, default=8000, help="REST (OpenAI-compatible) port; -1: no REST")
     settings.add(up, "--api-keys-file", type=Path, help="API keys, one `name:key` a line (unset: no auth)")
@@ -78,6 +83,8 @@ def main(argv: list[str] | None = None) -> None:
     settings.add(ray, "--http-port", type=int, default=8000, help="the ingress's HTTP (OpenAI-compatible) port")
     ray.add_argument("--num-cpus", type=int, help="CPUs for the local Ray (default: all)")
     ray.add_argument("--draft-quantize", default="int8", help="int8 | none: the draft's weights")
+    settings.add(ray, "--draft-model-dir", type=Path, help="serve this draft instead of the fetched one")
+    settings.add(ray, "--target-model-dir", type=Path, help="serve this target instead of the fetched one")
     ray.set_defaults(run=cmd_serve_ray)
 
     # Its flags belong to benchmarks/bench.py (`specd bench -h`), which imports torch: passed through.
@@ -98,12 +105,26 @@ def cmd_fetch(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_up(args: argparse.Namespace) -> int:
+def cmd_check(args: argparse.Namespace) -> int:
+    from specd.models import SOURCES, is_ready, model_path
+
+    missing = [role for role in SOURCES if not is_ready(role, args.models_dir)]
+    for role in SOURCES:
+        print(f"{role}: {model_path(role, args.models_dir)} {'missing' if role in missing else 'ready'}")
+    return 1 if missing else 0
+
+
+def _model_dirs(args: argparse.Namespace) -> dict[str, Path]:
+    """The fetched pair, except where a model directory was given."""
     from specd.models import fetch
 
     chosen = {role: getattr(args, f"{role}_model_dir") for role in ("draft", "target")}
     paths = fetch(args.models_dir, roles=tuple(role for role, path in chosen.items() if path is None))
-    paths |= {role: path for role, path in chosen.items() if path is not None}
+    return paths | {role: path for role, path in chosen.items() if path is not None}
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    paths = _model_dirs(args)
     with contextlib.ExitStack() as stack:
         redis_url = args.redis_url or stack.enter_context(LocalRedis(appendonly=True)).url
         if args.tracing:
@@ -129,6 +150,7 @@ def _run_services(args: argparse.Namespace, paths: dict[str, Path], redis_url: s
         "coordinator": [
             *("-m", "services.coordinator", "--model-dir", str(paths["target"])),
             *("--host", args.host, "--port", str(args.coordinator_port), "--default-k", str(args.default_k)),
+            *("--pipeline", args.pipeline, "--inject-rtt-ms", str(args.inject_rtt_ms)),
             *("--draft-addr", addr["draft"], "--target-addr", addr["target"], "--redis-url", redis_url),
         ],
     }
@@ -195,9 +217,8 @@ def cmd_serve_ray(args: argparse.Namespace) -> int:
     from ray import serve
 
     from services.ray_app import build_app
-    from specd.models import fetch
 
-    paths = fetch(args.models_dir)
+    paths = _model_dirs(args)
     with contextlib.ExitStack() as stack:
         redis_url = args.redis_url or stack.enter_context(LocalRedis(appendonly=True)).url
         ray.init(num_cpus=args.num_cpus, include_dashboard=False)

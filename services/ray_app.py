@@ -33,6 +33,8 @@ from specd.loop import DraftReply, Services, StaleSession, SyncPoint, VerifyRepl
 from specd.sampling import SamplingParams
 from specd.verify import Proposal
 from services.common.model_service import ModelServicer
+from services.draft.convert import ProposeCall
+from services.draft.server import DraftServicer
 from services.coordinator.auth import ApiKeys
 from services.coordinator.frontend import Frontend
 from services.coordinator.gateway import create_app
@@ -49,11 +51,11 @@ class _Stale:
 
 
 class _ModelDeployment:
-    """A model engine behind one worker thread, like the gRPC model services."""
+    """A model engine behind one worker thread: the gRPC model services' servicer, minus gRPC."""
 
-    def __init__(self, config: EngineConfig, role: str):
-        self.servicer = ModelServicer(ModelEngine(config), role)
-        self.engine = self.servicer.engine
+    def __init__(self, servicer: ModelServicer):
+        self.servicer = servicer
+        self.engine = servicer.engine
 
     async def _in_session(self, session_id: str, sync: SyncPoint, work, span: str):
         """(result, compute seconds), or _Stale: the loop then resends the session (a value
@@ -70,23 +72,19 @@ class _ModelDeployment:
 @serve.deployment(name="draft")
 class DraftDeployment(_ModelDeployment):
     def __init__(self, config: EngineConfig):
-        super().__init__(config, "draft")
+        super().__init__(DraftServicer(ModelEngine(config)))
 
-    async def propose(self, session_id: str, sync: SyncPoint, k: int, params: SamplingParams):
-        def draft(position: int):
-            return speculation.propose(self.engine, session_id, k, params), position
-
-        outcome = await self._in_session(session_id, sync, draft, "draft.propose")
-        if isinstance(outcome, _Stale):
-            return outcome
-        (proposal, position), compute_s = outcome
-        return DraftReply(proposal, position, self.engine.instance_id, compute_s)
+    async def propose(self, call: ProposeCall):
+        try:
+            return await self.servicer.propose(call)
+        except PositionMismatch as mismatch:
+            return _Stale(mismatch.position)
 
 
 @serve.deployment(name="target")
 class TargetDeployment(_ModelDeployment):
     def __init__(self, config: EngineConfig):
-        super().__init__(config, "target")
+        super().__init__(ModelServicer(ModelEngine(config), "target"))
 
     async def verify(self, session_id: str, sync: SyncPoint, proposal: Proposal, params: SamplingParams):
         def verify(position: int):
@@ -120,8 +118,10 @@ class RayDrafter(_Handle):
     def __init__(self, handle: DeploymentHandle):
         super().__init__(handle, "propose")
 
-    async def propose(self, session_id: str, sync: SyncPoint, k: int, params: SamplingParams) -> DraftReply:
-        return await self._call(session_id, sync, k, params)
+    async def propose(
+        self, session_id: str, sync: SyncPoint, k: int, params: SamplingParams, lookahead: int = 0
+    ) -> DraftReply:
+        return await self._call(ProposeCall(session_id, sync, k, params, lookahead))
 
 
 class RayVerifier(_Handle):

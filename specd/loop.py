@@ -17,7 +17,7 @@ from typing import AsyncIterator, Awaitable, Callable, Protocol, Sequence, TypeV
 
 from opentelemetry import trace
 
-from specd.policy import PolicyConfig, PolicyState, RoundObservation, inherit, next_k, observe
+from specd.policy import PolicyConfig, PolicyState, RoundObservation, inherit, lookahead, next_k, observe
 from specd.sampling import SamplingParams
 from specd.session import ServiceCursor, SessionState, SessionStats, SessionStore
 from specd.stopping import Decode, StopChecker, StopRules
@@ -43,6 +43,7 @@ class DraftReply:
     position: int  # committed length the draft synced to before drafting
     instance_id: str = ""
     compute_s: float = 0.0
+    reused: int = 0  # leading drafts made ahead during the previous round (not in compute_s)
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,11 @@ class StaleSession(Exception):
 
 
 class Drafter(Protocol):
-    async def propose(self, session_id: str, sync: SyncPoint, k: int, params: SamplingParams) -> DraftReply: ...
+    async def propose(
+        self, session_id: str, sync: SyncPoint, k: int, params: SamplingParams, lookahead: int = 0
+    ) -> DraftReply:
+        """Draft k tokens; then, when lookahead > 0, go on drafting that many past them while
+        the target verifies (pipelining: the next call takes those still on the committed path)."""
 
     async def release(self, session_id: str) -> None: ...
 
@@ -167,9 +172,10 @@ async def generate(
                 resyncs = draft.resyncs + target.resyncs
                 # 1. draft
                 drafting = None
+                ahead = lookahead(state.policy, k, request.policy)
                 if k > 0:
                     drafting = await _call(
-                        draft, committed, lambda s: services.drafter.propose(session_id, s, k, request.params)
+                        draft, committed, lambda s: services.drafter.propose(session_id, s, k, request.params, ahead)
                     )
                 drafted: DraftReply | None = drafting and drafting.reply
                 proposal = drafted.proposal if drafted else EMPTY_PROPOSAL
@@ -188,12 +194,12 @@ async def generate(
                 target.position, target.instance_id = min(verified.position, len(committed)), verified.instance_id
                 # 5. learn: acceptance and timings feed the K / fallback policy
                 policy = state.policy
-                observation = _observation(k, a, drafting, verifying)
+                observation = _observation(k, a, drafting, verifying, ahead > 0)
                 if request.fixed_k is None:
                     policy = observe(policy, observation, request.policy)
                 round_stats = SessionStats().record(
                     k, a, policy.fallbacks - state.policy.fallbacks, draft.resyncs + target.resyncs - resyncs,
-                    observation.draft_s, observation.verify_s,
+                    observation.draft_s, observation.verify_s, observation.reused,
                 )
                 span.set_attributes(_round_attributes(stats.rounds, observation, len(committed), policy.mode))
                 stats += round_stats
@@ -274,7 +280,9 @@ class _Called:
         return max(0.0, self.wall_s - self.reply.compute_s)
 
 
-def _observation(k: int, accepted: int, drafting: _Called | None, verifying: _Called) -> RoundObservation:
+def _observation(
+    k: int, accepted: int, drafting: _Called | None, verifying: _Called, drafted_ahead: bool
+) -> RoundObservation:
     calls = [verifying] + ([drafting] if drafting else [])
     return RoundObservation(
         k=k,
@@ -284,6 +292,8 @@ def _observation(k: int, accepted: int, drafting: _Called | None, verifying: _Ca
         rtt_s=sum(c.overhead_s for c in calls) / len(calls),
         draft_cold=bool(drafting and drafting.cold),
         target_cold=verifying.cold,
+        reused=drafting.reply.reused if drafting else 0,
+        drafted_ahead=drafted_ahead,
     )
 
 

@@ -28,6 +28,14 @@ and any drafting round after a round that did not draft (the draft catches up, e
 probe). The coordinator marks the others (`draft_cold`, `target_cold`): a new prompt on a
 continuing session, a resend.
 
+Pipelining (drafting ahead): while the target verifies, the draft may go on drafting the next
+round, betting on full acceptance with its own guess of the bonus token. The bet wins with
+probability ≈ α^(K+1) and then hides the next round's K draft steps; it costs whatever the
+draft's work slows the target's verification by where both share the hardware: a factor
+`overlap` on verify(K), measured in the rounds that drafted ahead (their verify times do not
+enter verify(K)). `pipelining_pays` weighs the two; in "auto" mode the first PIPELINE_TRIAL
+measured rounds draft ahead to learn `overlap`.
+
 Calibration: S needs verify(0), the plain step time, which speculative rounds never measure.
 So a fresh state decodes plainly until verify(0) is measured, at most two rounds (the first
 one prefills the prompt, so it is cold): each still commits a token at plain speed. Should
@@ -50,6 +58,8 @@ PRIOR_SLOPE = 0.25  # verify(K) ≈ verify(0)·(1 + PRIOR_SLOPE·K) when only on
 TIMING_EVIDENCE = CALIBRATION_ROUNDS + 3  # rounds before timings alone may switch speculation off
 SESSION_PROBE_AFTER = 1  # plain rounds (the prompt's prefill) before a new plain-mode session probes
 MIN_JUDGED = 16  # drafts judged in this session before timings alone may switch speculation off
+PIPELINE_TRIAL = 4  # rounds that draft ahead to measure the slowdown before "auto" weighs pipelining
+PIPELINE_MODES = ("off", "on", "auto")
 
 
 @dataclass(frozen=True)
@@ -64,6 +74,7 @@ class PolicyConfig:
     probe_max: int = 512
     smoothing: float = 0.3  # EWMA weight of a new observation (timings)
     alpha_window: int = 16  # rounds of evidence behind α (its counts decay by 1 - 1/alpha_window a round)
+    pipeline: str = "off"  # draft ahead while the target verifies: off | on | auto (the cost model decides)
 
     def validate(self) -> None:
         validate_that(self.max_k >= 1, f"max_k must be >= 1, got {self.max_k}")
@@ -73,6 +84,7 @@ class PolicyConfig:
         validate_that(1 <= self.probe_every <= self.probe_max, "need 1 <= probe_every <= probe_max")
         validate_that(0.0 < self.smoothing <= 1.0, f"smoothing must be in (0, 1], got {self.smoothing}")
         validate_that(self.alpha_window >= 1, f"alpha_window must be >= 1, got {self.alpha_window}")
+        validate_that(self.pipeline in PIPELINE_MODES, f"pipeline must be one of {PIPELINE_MODES}, got {self.pipeline!r}")
 
 
 @dataclass(frozen=True)
@@ -84,6 +96,8 @@ class RoundObservation:
     rtt_s: float  # per-RPC overhead (wall - compute), averaged over the round's RPCs
     draft_cold: bool = False  # the draft processed more than this round's tokens (prefill, catch-up)
     target_cold: bool = False  # the target did: its verify_s is not a decode step
+    reused: int = 0  # of the K drafts, those drafted ahead during the previous round (not in draft_s)
+    drafted_ahead: bool = False  # the draft drafted ahead while the target verified this round
 
 
 @dataclass(frozen=True)
@@ -96,6 +110,8 @@ class Estimates:
     accepted_count: float = 0.0  # decayed count of accepted drafts; alpha = accepted_count / tested_count
     tested_count: float = 0.0  # decayed count of drafts the target judged (accepted + 1 unless all passed)
     judged: int = 0  # drafts the target judged in this session (not decayed, not inherited)
+    overlap: float = 1.0  # verify time while the draft drafts ahead / verify(K) alone
+    overlap_rounds: int = 0  # rounds behind `overlap`
 
 
 @dataclass(frozen=True)
@@ -240,6 +256,27 @@ def next_k(state: PolicyState, config: PolicyConfig) -> int:
     return _start_k(config) if not config.adaptive else min(max(state.k, 1), config.max_k)
 
 
+def lookahead(state: PolicyState, k: int, config: PolicyConfig) -> int:
+    """Tokens the draft should draft ahead after proposing this round's K: the bonus guess and
+    the next round's drafts, or 0 when pipelining does not pay."""
+    return k + 1 if k > 0 and pipelining_pays(state.estimates, k, config) else 0
+
+
+def pipelining_pays(est: Estimates, k: int, config: PolicyConfig) -> bool:
+    """The expected draft time hidden (a won bet skips K draft steps) beats the slowdown of the
+    target's verification while the draft works. "auto" tries it for PIPELINE_TRIAL rounds
+    first: the slowdown can only be measured by doing it."""
+    if config.pipeline != "auto":
+        return config.pipeline == "on"
+    if not is_measured(est):
+        return False
+    if est.overlap_rounds < PIPELINE_TRIAL:
+        return True
+    hidden_s = est.alpha ** (k + 1) * k * est.draft_step_s
+    slowdown_s = (est.overlap - 1.0) * verify_time(est, k)
+    return hidden_s > slowdown_s
+
+
 def observe(state: PolicyState, obs: RoundObservation, config: PolicyConfig) -> PolicyState:
     """Learn from one round, then decide K and the mode for the next."""
     draft_cold = obs.draft_cold or not state.drafted_last_round
@@ -306,13 +343,21 @@ def _learn(
     alpha = accepted_count / tested_count if tested_count > 0 else est.alpha
     w = config.smoothing
     draft_step = est.draft_step_s
-    if obs.k > 0 and not draft_cold:
-        step = obs.draft_s / obs.k
+    drafted_here = obs.k - obs.reused
+    if drafted_here > 0 and not draft_cold:
+        step = obs.draft_s / drafted_here
         draft_step = step if draft_step is None else _ewma(draft_step, step, w)
-    verify_s = est.verify_s if target_cold else _learn_verify(est.verify_s, obs.k, obs.verify_s, w)
+    overlap, overlap_rounds, verify_s = est.overlap, est.overlap_rounds, est.verify_s
+    alone_s = verify_time(est, obs.k)
+    if obs.drafted_ahead and not target_cold and alone_s:
+        overlap = _ewma(overlap, obs.verify_s / alone_s, w if overlap_rounds else 1.0)
+        overlap_rounds += 1
+    elif not obs.drafted_ahead and not target_cold:
+        verify_s = _learn_verify(est.verify_s, obs.k, obs.verify_s, w)
     rtt = obs.rtt_s if est.observations == 0 else _ewma(est.rtt_s, obs.rtt_s, w)
     return Estimates(
-        alpha, draft_step, verify_s, rtt, est.observations + 1, accepted_count, tested_count, est.judged + judged
+        alpha, draft_step, verify_s, rtt, est.observations + 1, accepted_count, tested_count, est.judged + judged,
+        overlap, overlap_rounds,
     )
 
 

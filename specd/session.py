@@ -38,6 +38,7 @@ class SessionStats:
     draft_compute_s: float = 0.0  # model time the draft service reported
     verify_compute_s: float = 0.0  # model time the target service reported (plain steps included)
     round_wall_s: float = 0.0  # the coordinator's wall time for its rounds, store saves included
+    reused: int = 0  # drafts the draft had made ahead during the previous round (pipelining's won bets)
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -45,11 +46,18 @@ class SessionStats:
         return (self.accepted + self.rounds) / self.rounds if self.rounds else 0.0
 
     def record(
-        self, k: int, accepted: int, fallbacks: int = 0, resyncs: int = 0, draft_s: float = 0.0, verify_s: float = 0.0
+        self,
+        k: int,
+        accepted: int,
+        fallbacks: int = 0,
+        resyncs: int = 0,
+        draft_s: float = 0.0,
+        verify_s: float = 0.0,
+        reused: int = 0,
     ) -> "SessionStats":
         judged = accepted + (1 if accepted < k else 0)
         return self + SessionStats(
-            1, k, accepted, (1,) * accepted, (1,) * k, fallbacks, resyncs, judged, draft_s, verify_s
+            1, k, accepted, (1,) * accepted, (1,) * k, fallbacks, resyncs, judged, draft_s, verify_s, reused=reused
         )
 
     def __add__(self, other: "SessionStats") -> "SessionStats":
@@ -65,6 +73,7 @@ class SessionStats:
             self.draft_compute_s + other.draft_compute_s,
             self.verify_compute_s + other.verify_compute_s,
             self.round_wall_s + other.round_wall_s,
+            self.reused + other.reused,
         )
 
 

@@ -6,6 +6,12 @@ Ray Serve deployment later) call them; they know nothing about transports.
 Positions: a session of committed length n decides the token at index n next. Draft
 token i sits at index n + i; the recovered token at the first rejected index; the bonus
 token at n + K. Uniforms are keyed by those indices (see `specd.sampling.uniforms`).
+
+Drafting ahead (pipelining): while the target verifies a proposal, the draft may go on
+drafting past it, betting on full acceptance with its own guess of the bonus token. Drafts
+are a pure function of the committed prefix, the params and those position-keyed uniforms,
+so a draft made ahead is exactly the draft the next round would make; the next round takes
+the ones that still extend the committed tokens (`held_ahead`, `propose_after`).
 """
 
 from __future__ import annotations
@@ -45,6 +51,49 @@ def propose(engine: "ModelEngine", session_id: str, K: int, params: SamplingPara
     if tokens:
         engine.sync(session_id, n + K - 1, tokens[-1:])
     return Proposal(tuple(tokens), tuple(rows))
+
+
+@dataclass
+class Ahead:
+    """What a session drafted past its last proposal: the params it drafted with and, when
+    sampled, the q row of each draft by position."""
+
+    params: SamplingParams
+    rows: dict[int, sparse.SparseDist]
+
+
+def draft_ahead(engine: "ModelEngine", session_id: str, ahead: Ahead) -> None:
+    """Draft one more token past the session's end (its last draft is the newest token)."""
+    n = engine.position(session_id)
+    proposal = propose(engine, session_id, 1, ahead.params)
+    if proposal.q:
+        ahead.rows[n] = proposal.q[0]
+
+
+def held_ahead(engine: "ModelEngine", session_id: str, start_pos: int, tokens: Sequence[int]) -> int:
+    """How many drafted-ahead tokens the session holds past the committed sequence
+    known[:start_pos] + tokens: 0 unless that sequence is a strict prefix of what it holds."""
+    known = engine.tokens(session_id)
+    end = start_pos + len(tokens)
+    if start_pos > len(known) or known[start_pos:end] != tuple(tokens):
+        return 0
+    return max(0, len(known) - end)
+
+
+def propose_after(
+    engine: "ModelEngine", session_id: str, n: int, K: int, params: SamplingParams, ahead: Ahead | None
+) -> tuple[Proposal, int]:
+    """Propose K drafts after the committed length n, taking those already drafted ahead first;
+    returns the proposal and how many were reused. The session may hold drafts past n."""
+    held = engine.tokens(session_id)[n : n + K]
+    usable = ahead is not None and ahead.params == params
+    if usable and not params.greedy:
+        usable = all(pos in ahead.rows for pos in range(n, n + len(held)))
+    reused = len(held) if usable else 0
+    engine.truncate(session_id, n + reused)
+    rest = propose(engine, session_id, K - reused, params) if reused < K else Proposal((), ())
+    rows = tuple(ahead.rows[pos] for pos in range(n, n + reused)) if reused and not params.greedy else ()
+    return Proposal(held[:reused] + rest.tokens, rows + rest.q), reused
 
 
 @dataclass(frozen=True)

@@ -70,7 +70,9 @@ class FakeService:
 
 
 class FakeDrafter(FakeService):
-    async def propose(self, session_id: str, sync: SyncPoint, k: int, params: SamplingParams) -> DraftReply:
+    async def propose(
+        self, session_id: str, sync: SyncPoint, k: int, params: SamplingParams, lookahead: int = 0
+    ) -> DraftReply:
         tokens = self._sync(session_id, sync)
         position = len(tokens)
         for _ in range(k):

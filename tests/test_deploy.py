@@ -119,7 +119,7 @@ def test_compose_gives_each_model_service_its_own_gpu_and_the_cpu_override_none(
     assert "deploy" not in cpu["draft"] and "deploy" not in cpu["target"]
     assert cpu["draft"]["environment"]["SPECD_DEVICE"] == "cpu"
     for name, service in gpu.items():
-        assert "healthcheck" in service or name == "models", name  # `models` runs once and exits
+        assert "healthcheck" in service, name
     assert gpu["coordinator"]["depends_on"]["draft"] == {"condition": "service_healthy"}
     assert "--appendonly" in gpu["redis"]["command"]
 

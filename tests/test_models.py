@@ -3,6 +3,7 @@
 import hashlib
 import json
 import subprocess
+import sys
 import zipfile
 
 import pytest
@@ -163,3 +164,21 @@ def test_concurrent_fetches_into_one_directory_take_turns(tmp_path, monkeypatch)
     for t in threads:
         t.join(timeout=10)
     assert overlaps == [0, 0, 0]
+
+
+def test_models_check_exits_zero_only_when_both_are_ready(tmp_path):
+    """`specd models check`, the compose healthcheck of the one-shot fetch."""
+
+    def check() -> subprocess.CompletedProcess:
+        command = [sys.executable, "-m", "services.cli", "models", "check", "--models-dir", str(tmp_path)]
+        return subprocess.run(command, capture_output=True, text=True, timeout=60)
+
+    assert check().returncode == 1
+    for role, source in models.SOURCES.items():
+        path = models.model_path(role, tmp_path)
+        path.mkdir()
+        (path / models.MARKER).write_text(json.dumps({"source_sha256": source.sha256}))
+    done = check()
+    assert done.returncode == 0 and done.stdout.count("ready") == 2
+    (models.model_path("draft", tmp_path) / models.MARKER).write_text(json.dumps({"source_sha256": "0" * 64}))
+    assert "draft: " in check().stdout and check().returncode == 1

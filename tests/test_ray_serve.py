@@ -4,6 +4,7 @@ greedy completions through its HTTP ingress are the target's alone, token for to
 from __future__ import annotations
 
 import os
+import signal
 
 import httpx
 import pytest
@@ -60,3 +61,44 @@ def test_the_ray_ingress_streams_and_refuses_bad_input(ray_app):
         with client.stream("POST", "/v1/completions", json=body) as reply:
             events = [line for line in reply.iter_lines() if line.startswith("data:")]
     assert events[-1] == "data: [DONE]" and len(events) >= 3
+
+
+@pytest.mark.parametrize("ctrl_c", [False, True], ids=["sigterm", "ctrl-c"])
+def test_specd_serve_ray_serves_then_stops_on_a_signal(tiny_pair, redis_url, tmp_path, ctrl_c):
+    """The documented command: up, one completion, then SIGTERM to it (a container stop) or SIGINT
+    to its whole process group (Ctrl-C in a terminal: Ray's own processes get it too); a clean
+    exit with Ray torn down."""
+    import subprocess
+    import sys
+    import time
+
+    port = free_port()
+    command = [sys.executable, "-m", "services.cli", "serve-ray", "--num-cpus", "2", "--http-port", str(port),
+               "--redis-url", redis_url, "--draft-model-dir", str(tiny_pair[0]), "--target-model-dir",
+               str(tiny_pair[1]), "--draft-quantize", "none"]
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    log = tmp_path / "serve-ray.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while "is up" not in log.read_text() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert proc.poll() is None and "is up" in log.read_text(), log.read_text()[-3000:]
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as client:
+            name = client.get("/v1/models").json()["data"][0]["id"]
+            reply = client.post("/v1/completions", json={"model": name, "prompt": "Hi", "max_tokens": 4})
+        assert reply.status_code == 200
+        stopping = time.monotonic()
+        if ctrl_c:
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=90) == 0, log.read_text()[-3000:]
+        assert time.monotonic() - stopping < 60
+        time.sleep(2)
+        with pytest.raises(ProcessLookupError):  # nothing of Ray's is left in the command's session
+            os.killpg(proc.pid, 0)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)

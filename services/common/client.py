@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import time
 from contextvars import ContextVar
-from typing import Awaitable, TypeVar
+from typing import Any, Awaitable, TypeVar
 
 import grpc
 
@@ -42,3 +44,25 @@ async def call(rpc: Awaitable[R]) -> R:
 
 def session_ref(session_id: str) -> common_pb2.SessionRef:
     return common_pb2.SessionRef(session_id=session_id)
+
+
+class NetworkDelay:
+    """A Drafter or Verifier behind an injected network delay: half the round trip before each
+    call, half after (benchmarks: a real network's RTT on loopback). Other attributes pass through."""
+
+    def __init__(self, inner: Any, rtt_s: float):
+        self._inner, self._half_s = inner, rtt_s / 2
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._inner, name)
+        if not inspect.iscoroutinefunction(attr):
+            return attr
+
+        async def delayed(*args, **kwargs):
+            await asyncio.sleep(self._half_s)
+            try:
+                return await attr(*args, **kwargs)
+            finally:
+                await asyncio.sleep(self._half_s)
+
+        return delayed

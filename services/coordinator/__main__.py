@@ -8,7 +8,9 @@ import logging
 from pathlib import Path
 
 from specd.loop import Services
+from specd.policy import PIPELINE_MODES
 from services.common import settings
+from services.common.client import NetworkDelay
 from services.common.metrics import serve_metrics
 from services.common.server import run_until_signalled, start_server
 from services.common.telemetry import setup_tracing
@@ -26,6 +28,12 @@ DEFAULT_PORT = 50051
 log = logging.getLogger(__name__)
 
 
+def pipeline_mode(value: str) -> str:
+    if value not in PIPELINE_MODES:
+        raise argparse.ArgumentTypeError(f"pipeline must be one of {', '.join(PIPELINE_MODES)}, got {value!r}")
+    return value
+
+
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m services.coordinator", description="specd coordinator")
     settings.add(parser, "--model-dir", type=Path, help="the target's model directory (tokenizer, limits)")
@@ -37,6 +45,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     settings.add(parser, "--session-ttl-s", type=float, default=3600.0, help="idle sessions expire after this")
     settings.add(parser, "--default-k", type=int, default=Limits.default_k, help="draft tokens per round")
     settings.add(parser, "--max-k", type=int, default=Limits.max_k, help="largest K a request may ask for")
+    settings.add(parser, "--pipeline", type=pipeline_mode, default="off",
+                 help="draft ahead while the target verifies: off, on, or auto (the cost model decides per session)")
+    settings.add(parser, "--inject-rtt-ms", type=float, default=0.0,
+                 help="benchmarks: add this round-trip delay to every model-service call")
     settings.add(parser, "--http-port", type=int, default=DEFAULT_HTTP_PORT, help="REST (OpenAI) port; -1: no REST")
     settings.add(parser, "--api-keys-file", type=Path, help="API keys, one `name:key` a line (unset: no auth)")
     settings.add(parser, "--served-model-name", help="the model id REST clients name (default: the model dir's name)")
@@ -52,12 +64,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 async def serve(args: argparse.Namespace) -> None:
     model = load_model_info(args.model_dir)
-    limits = Limits(default_k=args.default_k, max_k=args.max_k)
-    services = Services(
-        GrpcDrafter(args.draft_addr.split(",")),
-        GrpcVerifier(args.target_addr.split(",")),
-        RedisSessionStore(args.redis_url, ttl_s=args.session_ttl_s),
-    )
+    limits = Limits(default_k=args.default_k, max_k=args.max_k, pipeline=args.pipeline)
+    drafter, verifier = GrpcDrafter(args.draft_addr.split(",")), GrpcVerifier(args.target_addr.split(","))
+    if args.inject_rtt_ms:
+        rtt_s = args.inject_rtt_ms / 1e3
+        drafter, verifier = NetworkDelay(drafter, rtt_s), NetworkDelay(verifier, rtt_s)
+    services = Services(drafter, verifier, RedisSessionStore(args.redis_url, ttl_s=args.session_ttl_s))
     frontend = Frontend(services, model, limits)
     if args.metrics_port:
         serve_metrics(frontend.metrics.registry, args.metrics_port, args.host)

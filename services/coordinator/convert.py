@@ -50,6 +50,7 @@ def stats_to_proto(
         draft_compute_s=stats.draft_compute_s,
         verify_compute_s=stats.verify_compute_s,
         round_wall_s=stats.round_wall_s,
+        reused_drafts=stats.reused,
         mode=mode,
     )
 

@@ -26,6 +26,7 @@ class Limits:
     max_prompt_chars: int = 64 * 1024
     max_stop_strings: int = 8
     max_stop_chars: int = 128
+    pipeline: str = "off"  # draft ahead while the target verifies: off | on | auto (specd.policy)
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,7 @@ def generation_request(req: ClientRequest, model: ModelInfo, limits: Limits) -> 
         seed=req.seed if req.seed is not None else secrets.randbits(63),
     ).validate()
     rules = StopRules(max_tokens, req.stop, model.eos_token_ids, req.ignore_eos)
-    policy = PolicyConfig(max_k=max_k, default_k=min(limits.default_k, max_k))
+    policy = PolicyConfig(max_k=max_k, default_k=min(limits.default_k, max_k), pipeline=limits.pipeline)
     return GenerationRequest(tuple(prompt), rules, params, policy, fixed_k)
 
 

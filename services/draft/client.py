@@ -17,8 +17,10 @@ class GrpcDrafter:
         self.replicas = Replicas(addresses, draft_pb2_grpc.DraftServiceStub, retry_s)
         self._timeout_s = timeout_s
 
-    async def propose(self, session_id: str, sync: SyncPoint, k: int, params: SamplingParams) -> DraftReply:
-        request = convert.propose_request(session_id, sync, k, params)
+    async def propose(
+        self, session_id: str, sync: SyncPoint, k: int, params: SamplingParams, lookahead: int = 0
+    ) -> DraftReply:
+        request = convert.propose_request(session_id, sync, k, params, lookahead)
         reply = await self.replicas.call(
             sync.instance_id, session_id, lambda stub: call(stub.Propose(request, timeout=timeout(self._timeout_s)))
         )

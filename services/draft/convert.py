@@ -17,34 +17,40 @@ class ProposeCall:
     sync: SyncPoint
     k: int
     params: SamplingParams
+    lookahead: int = 0
 
 
 def propose_call(msg: draft_pb2.ProposeRequest) -> ProposeCall:
     if not 1 <= msg.k <= common.MAX_K:
         raise ValueError(f"k must be in [1, {common.MAX_K}]")
+    if msg.lookahead > msg.k + 1:
+        raise ValueError(f"lookahead must be in [0, k + 1], got {msg.lookahead} with k = {msg.k}")
     return ProposeCall(
-        common.session_id(msg.session_id), common.sync_from_proto(msg.sync), msg.k, common.params_from_proto(msg.sampling)
+        common.session_id(msg.session_id), common.sync_from_proto(msg.sync), msg.k,
+        common.params_from_proto(msg.sampling), msg.lookahead,
     )
 
 
-def propose_request(session_id: str, sync: SyncPoint, k: int, params: SamplingParams) -> draft_pb2.ProposeRequest:
+def propose_request(
+    session_id: str, sync: SyncPoint, k: int, params: SamplingParams, lookahead: int = 0
+) -> draft_pb2.ProposeRequest:
     return draft_pb2.ProposeRequest(
-        session_id=session_id, sync=common.sync_to_proto(sync), k=k, sampling=common.params_to_proto(params)
+        session_id=session_id, sync=common.sync_to_proto(sync), k=k, sampling=common.params_to_proto(params),
+        lookahead=lookahead,
     )
 
 
-def propose_response(
-    proposal: Proposal, position: int, instance_id: str, compute_s: float
-) -> draft_pb2.ProposeResponse:
+def propose_response(reply: DraftReply) -> draft_pb2.ProposeResponse:
     return draft_pb2.ProposeResponse(
-        tokens=proposal.tokens,
-        q=common.dists_to_proto(proposal.q),
-        position=position,
-        instance_id=instance_id,
-        compute_s=compute_s,
+        tokens=reply.proposal.tokens,
+        q=common.dists_to_proto(reply.proposal.q),
+        position=reply.position,
+        instance_id=reply.instance_id,
+        compute_s=reply.compute_s,
+        reused=reply.reused,
     )
 
 
 def draft_reply(msg: draft_pb2.ProposeResponse) -> DraftReply:
     proposal = Proposal(tuple(msg.tokens), common.dists_from_proto(msg.q))
-    return DraftReply(proposal, msg.position, msg.instance_id, msg.compute_s)
+    return DraftReply(proposal, msg.position, msg.instance_id, msg.compute_s, msg.reused)

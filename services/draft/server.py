@@ -1,29 +1,96 @@
-"""Draft service: proposes K tokens per round from the small model."""
+"""Draft service: proposes K tokens per round from the small model, and (pipelining) drafts
+ahead while the target verifies."""
 
 from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+import time
 
 import grpc
 from opentelemetry import trace
 
 from specd import speculation
+from specd.loop import DraftReply, SyncPoint
 from services.common.errors import grpc_errors
 from services.common.model_service import ModelServicer
 from services.draft import convert
-from services.protogen.specd.v1 import draft_pb2, draft_pb2_grpc
+from services.protogen.specd.v1 import common_pb2, draft_pb2, draft_pb2_grpc
+
+log = logging.getLogger(__name__)
 
 
 class DraftServicer(ModelServicer, draft_pb2_grpc.DraftServiceServicer):
+    def __init__(self, engine, name: str = "draft"):
+        super().__init__(engine, name)
+        # Sessions drafting (or done drafting) ahead. Only the worker thread pops an entry for a
+        # Propose, so a drafting step that finds its entry gone knows a newer call came first.
+        self._ahead: dict[str, speculation.Ahead] = {}
+        self._drafting: set[asyncio.Task] = set()
+
     @grpc_errors
     async def Propose(self, request: draft_pb2.ProposeRequest, context: grpc.aio.ServicerContext):
-        call = convert.propose_call(request)
+        reply = await self.propose(convert.propose_call(request))
+        return convert.propose_response(reply)
+
+    async def propose(self, call: convert.ProposeCall) -> DraftReply:
+        """Sync, draft K (taking drafts made ahead first), then start drafting ahead if asked.
+        Transport-free: the gRPC method and the Ray Serve deployment both call it."""
 
         def draft(position: int):
-            trace.get_current_span().set_attributes({"specd.k": call.k, "specd.position": position})
-            return speculation.propose(self.engine, call.session_id, call.k, call.params), position
+            ahead = self._ahead.pop(call.session_id, None)
+            proposal, reused = speculation.propose_after(self.engine, call.session_id, position, call.k, call.params, ahead)
+            trace.get_current_span().set_attributes({"specd.k": call.k, "specd.position": position, "specd.reused": reused})
+            return proposal, reused, position
 
-        (proposal, position), compute_s = await self.in_session(call.session_id, call.sync, draft, "draft.propose")
+        (proposal, reused, position), compute_s = await self.in_session(
+            call.session_id, call.sync, draft, "draft.propose"
+        )
         self.metrics.model_step("propose", compute_s)
-        return convert.propose_response(proposal, position, self.engine.instance_id, compute_s)
+        if call.lookahead:
+            self._start_drafting_ahead(call)
+        return DraftReply(proposal, position, self.engine.instance_id, compute_s, reused)
+
+    def sync_session(self, session_id: str, sync: SyncPoint) -> int:
+        """Drafts made ahead that still extend the committed tokens stay; anything else syncs."""
+        self._check_instance(session_id, sync)
+        if speculation.held_ahead(self.engine, session_id, sync.start_pos, sync.tokens):
+            return sync.start_pos + len(sync.tokens)
+        return self.engine.sync(session_id, sync.start_pos, sync.tokens)
+
+    @grpc_errors
+    async def Release(self, request: common_pb2.SessionRef, context: grpc.aio.ServicerContext):
+        self._ahead.pop(request.session_id, None)
+        return await super().Release(request, context)
+
+    def _start_drafting_ahead(self, call: convert.ProposeCall) -> None:
+        if len(self._ahead) >= self.engine.config.max_sessions:  # sessions evicted without a Release
+            for gone in [s for s in self._ahead if not self.engine.position(s)]:
+                del self._ahead[gone]
+        ahead = self._ahead[call.session_id] = speculation.Ahead(call.params, {})
+        # A fresh context: the drafting outlives the request, its spans belong to no request.
+        task = asyncio.create_task(self._draft_ahead(call, ahead), context=contextvars.Context())
+        self._drafting.add(task)
+        task.add_done_callback(self._drafting.discard)
+
+    async def _draft_ahead(self, call: convert.ProposeCall, ahead: speculation.Ahead) -> None:
+        """One token per worker turn, so a newer call waits one draft step at most."""
+
+        def step() -> bool:
+            if self._ahead.get(call.session_id) is not ahead:  # a newer call: the bet is settled
+                return False
+            start = time.perf_counter()
+            speculation.draft_ahead(self.engine, call.session_id, ahead)
+            self.metrics.model_step("lookahead", time.perf_counter() - start)
+            return True
+
+        try:
+            for _ in range(call.lookahead):
+                if not await self.worker.run(step):
+                    return
+        except Exception as error:  # e.g. the context is full: the next round drafts for itself
+            log.debug("drafting ahead stopped for %s: %s", call.session_id, error)
 
 
 def register(servicer: DraftServicer):

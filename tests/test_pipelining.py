@@ -1,0 +1,147 @@
+"""Pipelined drafting: the draft drafts ahead while the target verifies, and the next round takes
+the drafts that still extend the committed tokens.
+
+Lossless by construction: a draft is a function of the committed prefix, the params and
+position-keyed uniforms, so a draft made ahead is the draft the next round would make. With the
+tiny pair in float64: greedy output equals the target alone, and sampled output equals the
+synchronous loop's for the same seed, token for token.
+"""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from specd import speculation
+from specd.engine import EngineConfig, ModelEngine
+from specd.policy import PIPELINE_TRIAL, Estimates, PolicyConfig, PolicyState, lookahead, pipelining_pays
+from specd.sampling import SamplingParams
+from services.coordinator.requests import Limits
+from services.protogen.specd.v1 import coordinator_pb2
+from tests.cluster import Cluster
+from tests.conftest import greedy_reference
+
+PROMPT = [3, 17, 250, 42, 99, 7, 7, 128, 64, 5, 200]
+GREEDY = SamplingParams()
+SAMPLED = SamplingParams(temperature=0.8, top_k=20, seed=7)
+K = 3
+
+
+@pytest.fixture(scope="module")
+def draft(tiny_pair) -> ModelEngine:
+    return ModelEngine(EngineConfig(tiny_pair[0], dtype="float64"))
+
+
+def fresh_proposal(engine: ModelEngine, committed: list[int], k: int, params: SamplingParams):
+    engine.release("fresh")
+    engine.sync("fresh", 0, committed)
+    return speculation.propose(engine, "fresh", k, params)
+
+
+def propose_and_draft_ahead(engine: ModelEngine, params: SamplingParams, session: str = "s"):
+    engine.release(session)
+    engine.sync(session, 0, PROMPT)
+    first = speculation.propose(engine, session, K, params)
+    ahead = speculation.Ahead(params, {})
+    for _ in range(K + 1):  # the bonus guess, then the next round's K
+        speculation.draft_ahead(engine, session, ahead)
+    return first, ahead
+
+
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_drafts_made_ahead_are_the_drafts_the_next_round_would_make(draft, params):
+    first, ahead = propose_and_draft_ahead(draft, params)
+    n = len(PROMPT) + K
+    guess = draft.tokens("s")[n]  # the draft's own guess of the bonus token
+    assert speculation.held_ahead(draft, "s", n, [guess]) == K  # full acceptance, the guess was right
+    committed = PROMPT + list(first.tokens) + [guess]
+    proposal, reused = speculation.propose_after(draft, "s", len(committed), K, params, ahead)
+    assert reused == K
+    assert proposal == fresh_proposal(draft, committed, K, params)
+    assert len(proposal.q) == (0 if params.greedy else K)
+
+
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_a_lost_bet_drafts_afresh(draft, params):
+    first, ahead = propose_and_draft_ahead(draft, params)
+    n = len(PROMPT) + K
+    wrong_bonus = (draft.tokens("s")[n] + 1) % 256
+    assert speculation.held_ahead(draft, "s", n, [wrong_bonus]) == 0
+    draft.sync("s", n, [wrong_bonus])  # what the servicer does when nothing held is usable
+    committed = PROMPT + list(first.tokens) + [wrong_bonus]
+    proposal, reused = speculation.propose_after(draft, "s", len(committed), K, params, ahead)
+    assert reused == 0 and proposal == fresh_proposal(draft, committed, K, params)
+
+
+def test_drafts_made_with_other_params_are_not_reused(draft):
+    first, ahead = propose_and_draft_ahead(draft, SAMPLED)
+    n = len(PROMPT) + K
+    guess = draft.tokens("s")[n]
+    committed = PROMPT + list(first.tokens) + [guess]
+    other = SamplingParams(temperature=0.8, top_k=20, seed=8)
+    proposal, reused = speculation.propose_after(draft, "s", len(committed), K, other, ahead)
+    assert reused == 0 and proposal == fresh_proposal(draft, committed, K, other)
+
+
+# --- the cost model -------------------------------------------------------------------------
+
+
+def measured(alpha: float, overlap: float, overlap_rounds: int) -> Estimates:
+    """The real pair's CPU timings: draft 0.08 s/token, verify(K) = 0.43·(1 + 0.33·K) s."""
+    return Estimates(
+        alpha=alpha, draft_step_s=0.08, verify_s=((0, 0.43), (4, 0.43 * 2.32)), overlap=overlap,
+        overlap_rounds=overlap_rounds,
+    )
+
+
+def test_auto_pipelining_tries_then_weighs_hidden_draft_time_against_the_slowdown():
+    auto = PolicyConfig(pipeline="auto")
+    assert pipelining_pays(measured(0.8, 1.0, 0), 4, auto)  # not measured yet: try it
+    assert pipelining_pays(measured(0.9, 1.02, PIPELINE_TRIAL), 4, auto)  # separate cores: pays
+    assert not pipelining_pays(measured(0.9, 1.5, PIPELINE_TRIAL), 4, auto)  # shared cores: the target slows
+    assert not pipelining_pays(measured(0.3, 1.02, PIPELINE_TRIAL), 4, auto)  # bets rarely won
+    assert not pipelining_pays(Estimates(), 4, auto)  # nothing measured: no trial before calibration
+    assert pipelining_pays(Estimates(), 4, PolicyConfig(pipeline="on"))
+    assert not pipelining_pays(measured(0.9, 1.0, 0), 4, PolicyConfig())  # off by default
+    state = PolicyState(estimates=measured(0.9, 1.0, 0))
+    assert lookahead(state, 4, auto) == 5 and lookahead(state, 0, auto) == 0
+
+
+# --- through the real services --------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def clusters(tiny_pair, redis_url):
+    """The same tiny pair served with pipelining on and off."""
+    running = {mode: Cluster(*tiny_pair, redis_url, limits=Limits(pipeline=mode)) for mode in ("on", "off")}
+    yield running
+    for c in running.values():
+        c.close()
+
+
+def complete(cluster: Cluster, prompt: str, **fields) -> coordinator_pb2.CompleteResponse:
+    with grpc.insecure_channel(cluster.address("coordinator")) as channel:
+        request = coordinator_pb2.GenerateRequest(text=prompt, max_tokens=24, ignore_eos=True, **fields)
+        return cluster.coordinator(channel).Complete(request, timeout=60)
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_pipelined_greedy_output_is_the_targets(clusters, tiny_pair, k):
+    reference = greedy_reference(tiny_pair[1])
+    reused = 0
+    for prompt in ("def add(a, b):", "Once upon a time", "x = [1, 2, 3]\nfor"):
+        reply = complete(clusters["on"], prompt, num_draft_tokens=k)
+        assert list(reply.token_ids) == reference(clusters["on"].model.encode(prompt), 24)
+        reused += reply.stats.reused_drafts
+    assert reused > 0  # bets were won and their drafts used
+    assert complete(clusters["off"], "def add(a, b):", num_draft_tokens=k).stats.reused_drafts == 0
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_pipelined_sampling_equals_the_synchronous_loop_for_a_seed(clusters, seed):
+    def sampled(mode: str):
+        return complete(clusters[mode], "Once upon a time", num_draft_tokens=2, temperature=0.9, seed=seed)
+
+    pipelined, synchronous = sampled("on"), sampled("off")
+    assert list(pipelined.token_ids) == list(synchronous.token_ids)
+    assert pipelined.stats.accepted_tokens == synchronous.stats.accepted_tokens
