@@ -29,12 +29,14 @@ probe). The coordinator marks the others (`draft_cold`, `target_cold`): a new pr
 continuing session, a resend.
 
 Pipelining (drafting ahead): while the target verifies, the draft may go on drafting the next
-round, betting on full acceptance with its own guess of the bonus token. The bet wins with
-probability ≈ α^(K+1) and then hides the next round's K draft steps; it costs whatever the
-draft's work slows the target's verification by where both share the hardware: a factor
-`overlap` on verify(K), measured in the rounds that drafted ahead (their verify times do not
-enter verify(K)). `pipelining_pays` weighs the two; in "auto" mode the first PIPELINE_TRIAL
-measured rounds draft ahead to learn `overlap`.
+round, betting on full acceptance with its own guess of the bonus token. A won bet (≈ α^(K+1))
+hides the next round's K draft steps; the price is paid where both models share hardware: the
+draft's work slows the target's verification, and a round after a lost bet waits for the
+draft's step in flight. Rather than model each effect, "auto" measures the whole:
+`pipelined_ratio`, a pipelined round's wall time over the synchronous round T(K) the estimates
+predict, and keeps pipelining while it is below PIPELINE_PAYS_BELOW. The first PIPELINE_TRIAL
+measured rounds pipeline to learn it. Pipelined rounds' verify and RPC times are contended, so
+they do not enter verify(K) or the RTT.
 
 Calibration: S needs verify(0), the plain step time, which speculative rounds never measure.
 So a fresh state decodes plainly until verify(0) is measured, at most two rounds (the first
@@ -58,7 +60,8 @@ PRIOR_SLOPE = 0.25  # verify(K) ≈ verify(0)·(1 + PRIOR_SLOPE·K) when only on
 TIMING_EVIDENCE = CALIBRATION_ROUNDS + 3  # rounds before timings alone may switch speculation off
 SESSION_PROBE_AFTER = 1  # plain rounds (the prompt's prefill) before a new plain-mode session probes
 MIN_JUDGED = 16  # drafts judged in this session before timings alone may switch speculation off
-PIPELINE_TRIAL = 4  # rounds that draft ahead to measure the slowdown before "auto" weighs pipelining
+PIPELINE_TRIAL = 4  # rounds that draft ahead to measure their cost before "auto" decides
+PIPELINE_PAYS_BELOW = 0.97  # pipelined / synchronous round time; within 3 % is timing noise
 PIPELINE_MODES = ("off", "on", "auto")
 
 
@@ -110,8 +113,8 @@ class Estimates:
     accepted_count: float = 0.0  # decayed count of accepted drafts; alpha = accepted_count / tested_count
     tested_count: float = 0.0  # decayed count of drafts the target judged (accepted + 1 unless all passed)
     judged: int = 0  # drafts the target judged in this session (not decayed, not inherited)
-    overlap: float = 1.0  # verify time while the draft drafts ahead / verify(K) alone
-    overlap_rounds: int = 0  # rounds behind `overlap`
+    pipelined_ratio: float = 1.0  # a pipelined round's wall time / the synchronous T(K) predicted
+    pipelined_rounds: int = 0  # rounds behind `pipelined_ratio`
 
 
 @dataclass(frozen=True)
@@ -196,11 +199,15 @@ def is_measured(est: Estimates) -> bool:
 def predicted_speedup(est: Estimates, k: int) -> float:
     """S(K) of the module docstring: plain rounds per second of speculative work. Needs
     `is_measured(est)`."""
-    plain_s, verify_k_s = verify_time(est, 0), verify_time(est, k)
-    if est.draft_step_s is None or plain_s is None or verify_k_s is None:
+    plain_s = verify_time(est, 0)
+    if est.draft_step_s is None or plain_s is None:
         raise ValueError("predicted_speedup needs the draft step and a verify time measured")
-    round_s = k * est.draft_step_s + verify_k_s + 2 * est.rtt_s
-    return expected_tokens(est.alpha, k) * (plain_s + est.rtt_s) / round_s
+    return expected_tokens(est.alpha, k) * (plain_s + est.rtt_s) / round_time(est, k)
+
+
+def round_time(est: Estimates, k: int) -> float:
+    """T(K) of the module docstring: one synchronous round with K drafts. Needs `is_measured(est)`."""
+    return k * est.draft_step_s + verify_time(est, k) + 2 * est.rtt_s
 
 
 def best_k(est: Estimates, config: PolicyConfig) -> tuple[int, float]:
@@ -259,22 +266,17 @@ def next_k(state: PolicyState, config: PolicyConfig) -> int:
 def lookahead(state: PolicyState, k: int, config: PolicyConfig) -> int:
     """Tokens the draft should draft ahead after proposing this round's K: the bonus guess and
     the next round's drafts, or 0 when pipelining does not pay."""
-    return k + 1 if k > 0 and pipelining_pays(state.estimates, k, config) else 0
+    return k + 1 if k > 0 and pipelining_pays(state.estimates, config) else 0
 
 
-def pipelining_pays(est: Estimates, k: int, config: PolicyConfig) -> bool:
-    """The expected draft time hidden (a won bet skips K draft steps) beats the slowdown of the
-    target's verification while the draft works. "auto" tries it for PIPELINE_TRIAL rounds
-    first: the slowdown can only be measured by doing it."""
+def pipelining_pays(est: Estimates, config: PolicyConfig) -> bool:
+    """Pipelined rounds have been measured faster than synchronous ones by a margin. "auto"
+    tries it for PIPELINE_TRIAL rounds first: its cost can only be measured by doing it."""
     if config.pipeline != "auto":
         return config.pipeline == "on"
     if not is_measured(est):
         return False
-    if est.overlap_rounds < PIPELINE_TRIAL:
-        return True
-    hidden_s = est.alpha ** (k + 1) * k * est.draft_step_s
-    slowdown_s = (est.overlap - 1.0) * verify_time(est, k)
-    return hidden_s > slowdown_s
+    return est.pipelined_rounds < PIPELINE_TRIAL or est.pipelined_ratio < PIPELINE_PAYS_BELOW
 
 
 def observe(state: PolicyState, obs: RoundObservation, config: PolicyConfig) -> PolicyState:
@@ -347,17 +349,20 @@ def _learn(
     if drafted_here > 0 and not draft_cold:
         step = obs.draft_s / drafted_here
         draft_step = step if draft_step is None else _ewma(draft_step, step, w)
-    overlap, overlap_rounds, verify_s = est.overlap, est.overlap_rounds, est.verify_s
-    alone_s = verify_time(est, obs.k)
-    if obs.drafted_ahead and not target_cold and alone_s:
-        overlap = _ewma(overlap, obs.verify_s / alone_s, w if overlap_rounds else 1.0)
-        overlap_rounds += 1
-    elif not obs.drafted_ahead and not target_cold:
-        verify_s = _learn_verify(est.verify_s, obs.k, obs.verify_s, w)
-    rtt = obs.rtt_s if est.observations == 0 else _ewma(est.rtt_s, obs.rtt_s, w)
+    verify_s, rtt = est.verify_s, est.rtt_s
+    ratio, pipelined = est.pipelined_ratio, est.pipelined_rounds
+    if obs.drafted_ahead:  # contended times: they measure pipelining, not the services alone
+        if is_measured(est) and not (draft_cold or target_cold):
+            wall_s = obs.draft_s + obs.verify_s + 2 * obs.rtt_s
+            ratio = _ewma(ratio, wall_s / round_time(est, obs.k), w if pipelined else 1.0)
+            pipelined += 1
+    else:
+        if not target_cold:
+            verify_s = _learn_verify(est.verify_s, obs.k, obs.verify_s, w)
+        rtt = obs.rtt_s if est.observations == 0 else _ewma(est.rtt_s, obs.rtt_s, w)
     return Estimates(
         alpha, draft_step, verify_s, rtt, est.observations + 1, accepted_count, tested_count, est.judged + judged,
-        overlap, overlap_rounds,
+        ratio, pipelined,
     )
 
 

@@ -14,7 +14,17 @@ import pytest
 
 from specd import speculation
 from specd.engine import EngineConfig, ModelEngine
-from specd.policy import PIPELINE_TRIAL, Estimates, PolicyConfig, PolicyState, lookahead, pipelining_pays
+from specd.policy import (
+    PIPELINE_TRIAL,
+    Estimates,
+    PolicyConfig,
+    PolicyState,
+    RoundObservation,
+    lookahead,
+    observe,
+    pipelining_pays,
+    round_time,
+)
 from specd.sampling import SamplingParams
 from services.coordinator.requests import Limits
 from services.protogen.specd.v1 import coordinator_pb2
@@ -86,25 +96,45 @@ def test_drafts_made_with_other_params_are_not_reused(draft):
 # --- the cost model -------------------------------------------------------------------------
 
 
-def measured(alpha: float, overlap: float, overlap_rounds: int) -> Estimates:
+def measured(pipelined_ratio: float = 1.0, pipelined_rounds: int = 0) -> Estimates:
     """The real pair's CPU timings: draft 0.08 s/token, verify(K) = 0.43·(1 + 0.33·K) s."""
     return Estimates(
-        alpha=alpha, draft_step_s=0.08, verify_s=((0, 0.43), (4, 0.43 * 2.32)), overlap=overlap,
-        overlap_rounds=overlap_rounds,
+        alpha=0.9, draft_step_s=0.08, verify_s=((0, 0.43), (4, 0.43 * 2.32)), rtt_s=0.001, observations=10,
+        pipelined_ratio=pipelined_ratio, pipelined_rounds=pipelined_rounds,
     )
 
 
-def test_auto_pipelining_tries_then_weighs_hidden_draft_time_against_the_slowdown():
+def test_auto_pipelining_tries_then_keeps_it_only_where_rounds_got_faster():
     auto = PolicyConfig(pipeline="auto")
-    assert pipelining_pays(measured(0.8, 1.0, 0), 4, auto)  # not measured yet: try it
-    assert pipelining_pays(measured(0.9, 1.02, PIPELINE_TRIAL), 4, auto)  # separate cores: pays
-    assert not pipelining_pays(measured(0.9, 1.5, PIPELINE_TRIAL), 4, auto)  # shared cores: the target slows
-    assert not pipelining_pays(measured(0.3, 1.02, PIPELINE_TRIAL), 4, auto)  # bets rarely won
-    assert not pipelining_pays(Estimates(), 4, auto)  # nothing measured: no trial before calibration
-    assert pipelining_pays(Estimates(), 4, PolicyConfig(pipeline="on"))
-    assert not pipelining_pays(measured(0.9, 1.0, 0), 4, PolicyConfig())  # off by default
-    state = PolicyState(estimates=measured(0.9, 1.0, 0))
+    assert pipelining_pays(measured(), auto)  # not measured yet: try it
+    assert pipelining_pays(measured(0.8, PIPELINE_TRIAL), auto)  # separate devices: rounds 20 % faster
+    assert not pipelining_pays(measured(1.2, PIPELINE_TRIAL), auto)  # shared cores: slower
+    assert not pipelining_pays(measured(0.99, PIPELINE_TRIAL), auto)  # within noise: not worth the draft's work
+    assert not pipelining_pays(Estimates(), auto)  # nothing measured: no trial before calibration
+    assert pipelining_pays(Estimates(), PolicyConfig(pipeline="on"))
+    assert not pipelining_pays(measured(), PolicyConfig())  # off by default
+    state = PolicyState(estimates=measured())
     assert lookahead(state, 4, auto) == 5 and lookahead(state, 0, auto) == 0
+
+
+@pytest.mark.parametrize("slowdown, keeps", [(1.3, False), (0.75, True)])
+def test_auto_pipelining_learns_from_the_wall_time_of_pipelined_rounds(slowdown, keeps):
+    """Pipelined rounds that take `slowdown` times the predicted synchronous round; their
+    contended verify times must not leak into verify(K)."""
+    auto = PolicyConfig(pipeline="auto")
+    state = PolicyState(estimates=measured(), drafted_last_round=True)
+    predicted = round_time(state.estimates, 4)
+    for _ in range(PIPELINE_TRIAL + 2):
+        verify_s = slowdown * predicted - 4 * 0.08 - 2 * 0.001
+        obs = RoundObservation(4, 4, 4 * 0.08, verify_s, 0.001, drafted_ahead=lookahead(state, 4, auto) > 0)
+        state = observe(state, obs, auto)
+    assert state.estimates.pipelined_ratio == pytest.approx(slowdown)
+    assert (lookahead(state, 4, auto) > 0) == keeps
+    if keeps:  # every round pipelined: verify(4) is still the uncontended measurement
+        assert state.estimates.pipelined_rounds == PIPELINE_TRIAL + 2
+        assert dict(state.estimates.verify_s)[4] == pytest.approx(0.43 * 2.32)
+    else:  # the trial, then synchronous rounds
+        assert state.estimates.pipelined_rounds == PIPELINE_TRIAL
 
 
 # --- through the real services --------------------------------------------------------------
