@@ -26,8 +26,8 @@ MODES = ("off", "on", "auto")
 
 
 def splits() -> dict[str, tuple[str, ...]]:
-    cores = os.cpu_count() or 2
-    return {"shared": (), f"split 1+{max(1, cores - 1)}": ("--draft-threads", "1", "--target-threads", str(max(1, cores - 1)))}
+    target = max(1, (os.cpu_count() or 2) - 1)
+    return {"shared": (), f"split 1+{target}": ("--draft-threads", "1", "--target-threads", str(target))}
 
 
 def run_config(mode: str, threads: tuple[str, ...], rtt_ms: float, tokens: int) -> list:

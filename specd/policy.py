@@ -87,7 +87,9 @@ class PolicyConfig:
         validate_that(1 <= self.probe_every <= self.probe_max, "need 1 <= probe_every <= probe_max")
         validate_that(0.0 < self.smoothing <= 1.0, f"smoothing must be in (0, 1], got {self.smoothing}")
         validate_that(self.alpha_window >= 1, f"alpha_window must be >= 1, got {self.alpha_window}")
-        validate_that(self.pipeline in PIPELINE_MODES, f"pipeline must be one of {PIPELINE_MODES}, got {self.pipeline!r}")
+        validate_that(
+            self.pipeline in PIPELINE_MODES, f"pipeline must be one of {PIPELINE_MODES}, got {self.pipeline!r}"
+        )
 
 
 @dataclass(frozen=True)

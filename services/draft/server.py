@@ -40,8 +40,11 @@ class DraftServicer(ModelServicer, draft_pb2_grpc.DraftServiceServicer):
 
         def draft(position: int):
             ahead = self._ahead.pop(call.session_id, None)
-            proposal, reused = speculation.propose_after(self.engine, call.session_id, position, call.k, call.params, ahead)
-            trace.get_current_span().set_attributes({"specd.k": call.k, "specd.position": position, "specd.reused": reused})
+            proposal, reused = speculation.propose_after(
+                self.engine, call.session_id, position, call.k, call.params, ahead
+            )
+            span = trace.get_current_span()
+            span.set_attributes({"specd.k": call.k, "specd.position": position, "specd.reused": reused})
             return proposal, reused, position
 
         (proposal, reused, position), compute_s = await self.in_session(
