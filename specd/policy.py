@@ -295,6 +295,28 @@ def observe(state: PolicyState, obs: RoundObservation, config: PolicyConfig) -> 
     return replace(state, plain_rounds_until_probe=countdown, mode_rounds=state.mode_rounds + 1)
 
 
+def explore_k(est: Estimates, config: PolicyConfig, k: int, speedup: float) -> int:
+    """K for the next round: the best K, or an unmeasured larger K that could beat it. On a CPU
+    verify(K) is concave (one position to two costs most), so the straight line through the small
+    K a session measured overestimates large K, which would then never be tried. Optimism in the
+    face of that uncertainty: a K above the best is tried once if it would win with verification
+    costing no more than at the largest measured K below it (its measurement then stands)."""
+    if not config.adaptive or math.isnan(speedup):
+        return k
+    points = dict(est.verify_s)
+    plain_s = verify_time(est, 0)
+
+    def optimistic(candidate: int) -> float:
+        below = [km for km in points if km < candidate]
+        below_s = points[max(below)] if below else verify_time(est, candidate)
+        round_s = candidate * est.draft_step_s + below_s + 2 * est.rtt_s
+        return expected_tokens(est.alpha, candidate) * (plain_s + est.rtt_s) / round_s
+
+    unmeasured = [c for c in range(k + 1, config.max_k + 1) if c not in points]
+    best = max(unmeasured, key=optimistic, default=None)
+    return best if best is not None and optimistic(best) > speedup else k
+
+
 def _after_speculative_round(state: PolicyState, config: PolicyConfig) -> PolicyState:
     if should_fall_back(state.estimates, config):
         interval = _interval_after_fallback(state, config)
@@ -306,7 +328,8 @@ def _after_speculative_round(state: PolicyState, config: PolicyConfig) -> Policy
             plain_rounds_until_probe=interval,
             mode_rounds=0,
         )
-    return replace(state, k=best_k(state.estimates, config)[0], mode_rounds=state.mode_rounds + 1)
+    k = explore_k(state.estimates, config, *best_k(state.estimates, config))
+    return replace(state, k=k, mode_rounds=state.mode_rounds + 1)
 
 
 def _after_probe(state: PolicyState, config: PolicyConfig) -> PolicyState:

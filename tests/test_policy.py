@@ -5,6 +5,7 @@ acceptance is drawn from a seeded geometric model."""
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import replace
 import math
 import random
 
@@ -21,6 +22,7 @@ from specd.policy import (
     RoundObservation,
     best_k,
     expected_tokens,
+    explore_k,
     inherit,
     next_k,
     observe,
@@ -377,3 +379,27 @@ def test_an_unlucky_start_does_not_switch_a_good_draft_off():
             accepted = 0 if round_index < 2 else draw_accepted(rng, 0.9, k)
             state = observe(state, slow_round(k, accepted), CONFIG)
         assert state.fallbacks == 0, seed
+
+
+def test_concave_verify_times_are_explored_up_to_a_long_k():
+    """The real pair on this CPU: verify(K) ≈ 0.46 s for a plain step, then 0.7 + 0.085·K (one to
+    two positions is the expensive step). A session that learned its timings at K = 1 and 2 (on
+    prose) meets code (α = 0.99): the line through those points overestimates large K (without
+    exploration K stays at 2 for 13 rounds); trying each larger K once reaches long rounds fast."""
+
+    def concave_round(k: int, accepted: int) -> RoundObservation:
+        return RoundObservation(k, accepted, 0.14 * k, 0.46 if k == 0 else 0.7 + 0.085 * k, RTT)
+
+    config = PolicyConfig(max_k=16)
+    learned = Estimates(alpha=0.5, draft_step_s=0.14, verify_s=((0, 0.46), (1, 0.785), (2, 0.87)), rtt_s=RTT,
+                        observations=50, accepted_count=1.0, tested_count=2.0)
+    rng, state, ks = random.Random(0), PolicyState(k=1, estimates=learned, drafted_last_round=True), []
+    for _ in range(30):
+        k = next_k(state, config)
+        state = observe(state, concave_round(k, draw_accepted(rng, 0.99, k)), config)
+        ks.append(k)
+    assert state.fallbacks == 0
+    assert max(ks[:6]) >= 10 and min(ks[-20:]) >= 10  # long rounds within six rounds, and they stay
+    assert len(state.estimates.verify_s) <= 12  # each K explored at most once
+    short = explore_k(replace(learned, alpha=0.3), config, 1, 1.0)
+    assert short == 1  # at α = 0.3 no longer K could win even with free verification
