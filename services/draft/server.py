@@ -57,10 +57,10 @@ class DraftServicer(ModelServicer, draft_pb2_grpc.DraftServiceServicer):
 
     def sync_session(self, session_id: str, sync: SyncPoint) -> int:
         """Drafts made ahead that still extend the committed tokens stay; anything else syncs."""
+        if not speculation.held_ahead(self.engine, session_id, sync.start_pos, sync.tokens):
+            return super().sync_session(session_id, sync)
         self._check_instance(session_id, sync)
-        if speculation.held_ahead(self.engine, session_id, sync.start_pos, sync.tokens):
-            return sync.start_pos + len(sync.tokens)
-        return self.engine.sync(session_id, sync.start_pos, sync.tokens)
+        return sync.start_pos + len(sync.tokens)
 
     @grpc_errors
     async def Release(self, request: common_pb2.SessionRef, context: grpc.aio.ServicerContext):
