@@ -28,7 +28,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from specd import speculation
-from specd.engine import EngineConfig, ModelEngine, PositionMismatch
+from specd.engine import EngineConfig, PositionMismatch
 from specd.loop import DraftReply, Services, StaleSession, SyncPoint, VerifyReply
 from specd.sampling import SamplingParams
 from specd.verify import Proposal
@@ -72,7 +72,7 @@ class _ModelDeployment:
 @serve.deployment(name="draft")
 class DraftDeployment(_ModelDeployment):
     def __init__(self, config: EngineConfig):
-        super().__init__(DraftServicer(ModelEngine(config)))
+        super().__init__(DraftServicer.load(config, "draft"))
 
     async def propose(self, call: ProposeCall):
         try:
@@ -84,7 +84,7 @@ class DraftDeployment(_ModelDeployment):
 @serve.deployment(name="target")
 class TargetDeployment(_ModelDeployment):
     def __init__(self, config: EngineConfig):
-        super().__init__(ModelServicer(ModelEngine(config), "target"))
+        super().__init__(ModelServicer.load(config, "target"))
 
     async def verify(self, session_id: str, sync: SyncPoint, proposal: Proposal, params: SamplingParams):
         def verify(position: int):

@@ -9,10 +9,13 @@ The cache never runs ahead of the tokens. A forward needs at least one token to 
 it re-feeds the last token. Keeping the KV of every fed token matters: after a fully accepted round the
 verified drafts' KV is reused, not recomputed.
 
-Not thread-safe: the serving layer calls an engine from one worker thread at a time, so there are no
-locks here.
+Not thread-safe, and bound to one thread: the thread that builds an engine is the only one that may
+run its model. The serving layer builds it on its worker thread and runs every call there, so there
+are no locks here; and torch's OpenMP pool is per calling thread, so a second thread running torch in
+the process would make every forward slower (services/common/worker.py).
 """
 
+import threading
 import time
 import uuid
 from collections import OrderedDict
@@ -62,6 +65,10 @@ class PositionMismatch(EngineError):
         self.position = position  # the session's actual length (0 for an unknown session)
 
 
+class WrongThread(RuntimeError):
+    """The model was run from a thread other than the one that built the engine."""
+
+
 class ContextTooLong(EngineError):
     """The session would exceed max_context tokens."""
 
@@ -104,6 +111,7 @@ class ModelEngine:
         self.eos_token_ids: frozenset[int] = frozenset(_eos_ids(model))
         self.max_context: int = config.max_context or model.config.max_position_embeddings
         self.instance_id = uuid.uuid4().hex  # lets clients notice a restarted engine (all caches lost)
+        self._thread = threading.get_ident()  # the one thread that runs the model
         self.evictions = 0
         self._sessions: OrderedDict[str, _Session] = OrderedDict()  # least recently used first
 
@@ -235,6 +243,8 @@ class ModelEngine:
 
     def _prepare(self, session_id: str, extra: Sequence[int]) -> tuple[_Session, list[int]]:
         """Check a forward, then return the session and the tokens to feed: pending ones, then extra."""
+        if threading.get_ident() != self._thread:
+            raise WrongThread("run the engine on the thread that built it (EngineWorker.call, ModelServicer.load)")
         self.check_forward(session_id, extra)
         session = self._touch(session_id)
         _crop(session.cache, len(session.tokens) - 1)  # nothing pending: re-feed the last token

@@ -14,7 +14,7 @@ from pathlib import Path
 import grpc
 
 from specd.loop import Services
-from specd.engine import EngineConfig, ModelEngine
+from specd.engine import EngineConfig
 from services.common.server import start_server
 from services.coordinator import server as coordinator_server
 from services.coordinator.auth import ApiKeys
@@ -44,8 +44,9 @@ class Cluster:
         keys: ApiKeys = ApiKeys.open(),
     ):
         self.redis_url, self.keys = redis_url, keys
-        self.draft_engine = ModelEngine(EngineConfig(draft_dir, dtype=dtype))
-        self.target_engine = ModelEngine(EngineConfig(target_dir, dtype=dtype))
+        self.draft = draft_server.DraftServicer.load(EngineConfig(draft_dir, dtype=dtype), "draft")
+        self.target = target_server.TargetServicer.load(EngineConfig(target_dir, dtype=dtype), "target")
+        self.draft_engine, self.target_engine = self.draft.engine, self.target.engine
         self.model = load_model_info(target_dir)
         self.limits = limits
         self.loop = asyncio.new_event_loop()
@@ -57,8 +58,6 @@ class Cluster:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=120)
 
     async def _start(self) -> dict[str, int]:
-        self.draft = draft_server.DraftServicer(self.draft_engine, "draft")
-        self.target = target_server.TargetServicer(self.target_engine, "target")
         self.servers = []
         ports = {}
         for role, register in (("draft", draft_server.register(self.draft)), ("target", target_server.register(self.target))):

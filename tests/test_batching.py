@@ -167,7 +167,7 @@ def test_a_request_that_fails_in_a_batch_fails_alone(cluster):
         reference = f"{session}-alone"
         target.sync(reference, 0, sync.tokens)
         if calls[session][2] == grpc.StatusCode.OK:
-            expected[session] = verify_proposal(target, reference, Proposal(drafts, ()), SamplingParams())
+            expected[session] = servicer.worker.call(verify_proposal, target, reference, Proposal(drafts, ()), SamplingParams())
     batches_before = servicer.batcher.batches
 
     def verify(session: str):

@@ -1,4 +1,5 @@
 import hashlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ from specd.engine import (
     ModelEngine,
     PositionMismatch,
     SessionsFull,
+    WrongThread,
 )
 from specd.tiny import build_tiny_pair
 
@@ -364,3 +366,19 @@ def test_a_failed_batched_pass_resets_every_cache_but_keeps_tokens(tiny_pair, mo
     engine.sync("ref", 0, PROMPT)
     expected = engine.forward("ref", [1])
     torch.testing.assert_close(engine.forward_many([("a", [1]), ("b", [1])])[1], expected, rtol=1e-4, atol=1e-4)
+
+
+def test_only_the_thread_that_built_an_engine_runs_its_model(tiny_pair):
+    # Services build the engine on their worker thread: one OpenMP pool per process (specd/engine.py).
+    with ThreadPoolExecutor(max_workers=1) as owner:
+        engine = owner.submit(make_engine, tiny_pair[0]).result()
+        engine.sync("s", 0, PROMPT)
+        owner.submit(engine.forward, "s").result()  # the prompt's KV: both forwards below feed [last, 9]
+        expected = owner.submit(engine.forward, "s", [9]).result()
+        engine.truncate("s", len(PROMPT))
+        with pytest.raises(WrongThread):
+            engine.forward("s", [9])
+        with pytest.raises(WrongThread):
+            engine.forward_many([("s", [9])])
+        assert engine.tokens("s") == tuple(PROMPT)  # refused before any work
+        assert torch.equal(owner.submit(engine.forward, "s", [9]).result(), expected)

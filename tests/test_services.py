@@ -242,10 +242,9 @@ def test_model_services_reject_bad_requests_with_invalid_argument(cluster):
 def test_a_full_engine_answers_resource_exhausted_and_recovers_after_release(tiny_pair):
     from services.common.server import start_server
     from services.draft.server import DraftServicer, register
-    from specd.engine import EngineConfig, ModelEngine
+    from specd.engine import EngineConfig
 
-    engine = ModelEngine(EngineConfig(tiny_pair[0], max_sessions=1, idle_evict_s=3600))
-    servicer = DraftServicer(engine, "draft")
+    servicer = DraftServicer.load(EngineConfig(tiny_pair[0], max_sessions=1, idle_evict_s=3600), "draft")
 
     async def scenario():
         server, port = await start_server(register(servicer), "127.0.0.1:0")

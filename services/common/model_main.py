@@ -8,7 +8,7 @@ import logging
 from pathlib import Path
 from typing import Callable
 
-from specd.engine import EngineConfig, ModelEngine
+from specd.engine import EngineConfig
 from services.common import settings
 from services.common.metrics import serve_metrics
 from services.common.model_service import ModelServicer
@@ -53,15 +53,14 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 def main(
     role: str,
     default_port: int,
-    make_servicer: Callable[[ModelEngine, argparse.Namespace], ModelServicer],
+    make_servicer: Callable[[EngineConfig, argparse.Namespace], ModelServicer],
     register: Callable,
     argv: list[str] | None = None,
 ) -> None:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role} %(levelname)s %(message)s")
     args = parse(role, default_port, argv)
     setup_tracing(f"specd-{role}")
-    engine = ModelEngine(engine_config(args))
-    servicer = make_servicer(engine, args)
+    servicer = make_servicer(engine_config(args), args)  # loads the engine on its worker thread
 
     async def serve() -> None:
         server, port = await start_server(register(servicer), f"{args.host}:{args.port}")

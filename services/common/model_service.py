@@ -4,12 +4,12 @@ session RPCs (GetSession, Release)."""
 from __future__ import annotations
 
 import time
-from typing import Callable, TypeVar
+from typing import Callable, Self, TypeVar
 
 import grpc
 from opentelemetry import trace
 
-from specd.engine import ModelEngine, PositionMismatch
+from specd.engine import EngineConfig, ModelEngine, PositionMismatch
 from specd.loop import SyncPoint
 from services.common import convert
 from services.common.errors import grpc_errors
@@ -27,10 +27,17 @@ def span_attributes(session_id: str, sync: SyncPoint) -> dict[str, str | int]:
 
 
 class ModelServicer:
-    def __init__(self, engine: ModelEngine, name: str):
+    def __init__(self, engine: ModelEngine, name: str, worker: EngineWorker):
+        """`worker` is the thread that built `engine`, the only one that may run it (see `load`)."""
         self.engine = engine
-        self.worker = EngineWorker(name)
+        self.worker = worker
         self.metrics = ModelMetrics()
+
+    @classmethod
+    def load(cls, config: EngineConfig, name: str, **kwargs) -> Self:
+        """Build the engine on a new worker thread and serve it from there (services/common/worker.py)."""
+        worker = EngineWorker(name)
+        return cls(worker.call(ModelEngine, config), name, worker, **kwargs)
 
     async def in_session(
         self, session_id: str, sync: SyncPoint, work: Callable[[int], T], span: str

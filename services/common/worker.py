@@ -2,7 +2,10 @@
 
 A model engine is not re-entrant and torch already uses every thread it is given, so the
 servers funnel all engine calls through one worker thread while the event loop keeps
-serving health checks and new requests. Calls that can share a model pass queue up in a
+serving health checks and new requests. That thread also builds the engine (`call`) and is
+the only one that ever runs torch: OpenMP keeps a thread pool per calling thread, and two
+pools in one process (say, the model loaded on the main thread, run on the worker) make
+every forward 40-80 % slower on a small CPU (benchmarks/threads.py). Calls that can share a model pass queue up in a
 `Batcher` while the worker is busy and go through together.
 """
 
@@ -22,6 +25,10 @@ DEFAULT_MAX_BATCH = 8
 class EngineWorker:
     def __init__(self, name: str):
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+
+    def call(self, fn: Callable[..., T], *args) -> T:
+        """Run fn on the worker thread and wait for it (setup: building the engine)."""
+        return self._executor.submit(fn, *args).result()
 
     async def run(self, fn: Callable[..., T], *args) -> T:
         # The caller's context goes along, so spans started on the worker are children of the request's.

@@ -15,6 +15,7 @@ from specd import speculation
 from specd.loop import DraftReply, SyncPoint
 from services.common.errors import grpc_errors
 from services.common.model_service import ModelServicer
+from services.common.worker import EngineWorker
 from services.draft import convert
 from services.protogen.specd.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
@@ -22,8 +23,8 @@ log = logging.getLogger(__name__)
 
 
 class DraftServicer(ModelServicer, draft_pb2_grpc.DraftServiceServicer):
-    def __init__(self, engine, name: str = "draft"):
-        super().__init__(engine, name)
+    def __init__(self, engine, name: str, worker: EngineWorker):
+        super().__init__(engine, name, worker)
         # Sessions drafting (or done drafting) ahead. Only the worker thread pops an entry for a
         # Propose, so a drafting step that finds its entry gone knows a newer call came first.
         self._ahead: dict[str, speculation.Ahead] = {}

@@ -20,7 +20,7 @@ from specd.engine import ModelEngine
 from specd.verify import Verdict
 from services.common.errors import grpc_errors
 from services.common.model_service import ModelServicer, span_attributes
-from services.common.worker import DEFAULT_MAX_BATCH, Batcher
+from services.common.worker import DEFAULT_MAX_BATCH, Batcher, EngineWorker
 from services.protogen.specd.v1 import target_pb2, target_pb2_grpc
 from services.target import convert
 
@@ -44,8 +44,8 @@ _Checked = tuple[speculation.Verification, Verdict] | Exception
 
 
 class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
-    def __init__(self, engine: ModelEngine, name: str, max_batch: int = DEFAULT_MAX_BATCH):
-        super().__init__(engine, name)
+    def __init__(self, engine: ModelEngine, name: str, worker: EngineWorker, max_batch: int = DEFAULT_MAX_BATCH):
+        super().__init__(engine, name, worker)
         self.batcher = Batcher(self.worker, self._verify_batch, key=lambda q: q.call.session_id, max_batch=max_batch)
 
     @grpc_errors
