@@ -5,7 +5,8 @@ verify K = 4 drafts (K+1 = 5 rows fed: the re-fed last token and the drafts). Ti
 `forward` calls one after another vs one `forward_many` (specd/ragged.py), median of
 repeats, each session rolled back after every pass so all runs see the same caches. Also:
 what a padded batch cache would copy every round instead, the float32 difference between the
-two paths, and F.linear vs the small-row `W @ x.T` path at batched row counts.
+two paths, and F.linear vs the small-row `W @ x.T` path at batched row counts (x row-major in
+memory, as the path feeds it, and column-major, as it fed it before).
 
     .venv/bin/python -m benchmarks.batching [--repeats 5]
 
@@ -96,15 +97,22 @@ def pad_copy(engine: ModelEngine, ids: list[str]) -> None:
 
 
 def linear_paths(engine: ModelEngine, repeats: int) -> list[dict]:
-    """F.linear vs W @ x.T (specd/kernels.py's path for <= 16 rows) on the MLP's gate projection."""
-    weight = engine.model.model.layers[0].mlp.gate_proj.weight  # [intermediate, hidden]
+    """F.linear vs W @ x.T (specd/kernels.py) on the MLP's gate and down projections, with x's rows
+    row-major in memory (what the kernel path now feeds) and column-major (what it fed before: a
+    small-row linear's own output is transposed in memory)."""
+    mlp = engine.model.model.layers[0].mlp
     out = []
-    for rows in (5, 10, 16, 20, 40):
-        x = torch.randn(rows, weight.shape[1])
-        with torch.inference_mode():
-            f_linear = median_s(lambda: F.linear(x, weight), repeats * 4)
-            w_xt = median_s(lambda: (weight @ x.T).T, repeats * 4)
-        out.append({"rows": rows, "f_linear_ms": round(f_linear * 1e3, 3), "w_xt_ms": round(w_xt * 1e3, 3)})
+    for name, weight in (("gate_proj", mlp.gate_proj.weight), ("down_proj", mlp.down_proj.weight)):
+        for rows in (5, 10, 16, 40):
+            x = torch.randn(rows, weight.shape[1])  # [rows, in]
+            x_column_major = x.T.contiguous().T  # the same values, transposed in memory
+            with torch.inference_mode():
+                times = {path: median_s(run, repeats * 4) for path, run in (
+                    ("f_linear", lambda: F.linear(x, weight)),
+                    ("w_xt", lambda: (weight @ x.T).T),
+                    ("w_xt_column_major", lambda: (weight @ x_column_major.T).T),
+                )}
+            out.append({"weight": name, "rows": rows, **{f"{k}_ms": round(v * 1e3, 3) for k, v in times.items()}})
     return out
 
 
