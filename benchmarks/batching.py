@@ -1,4 +1,4 @@
-"""Batched verification micro-benchmark: one target pass for B sessions vs B passes.
+"""Batching micro-benchmark: one pass for B sessions vs B passes (target verification, draft steps).
 
 On the real target (float32, 2 threads), B sessions with different context lengths each
 verify K = 4 drafts (K+1 = 5 rows fed: the re-fed last token and the drafts). Timed: the B
@@ -6,7 +6,9 @@ verify K = 4 drafts (K+1 = 5 rows fed: the re-fed last token and the drafts). Ti
 repeats, each session rolled back after every pass so all runs see the same caches. Also:
 what a padded batch cache would copy every round instead, the float32 difference between the
 two paths, and F.linear vs the small-row `W @ x.T` path at batched row counts (x row-major in
-memory, as the path feeds it, and column-major, as it fed it before).
+memory, as the path feeds it, and column-major, as it fed it before). Then the int8 draft's
+drafting step for B sessions (one row each), B passes vs one (`draft_steps`; int8 quantises
+each pass's activations together, so its logits in a batch differ more than float32's).
 
     .venv/bin/python -m benchmarks.batching [--repeats 5]
 
@@ -66,15 +68,15 @@ def rolled_back(engine: ModelEngine, lengths: dict[str, int], run: Callable[[], 
     return go
 
 
-def measure(engine: ModelEngine, lengths: dict[str, int], batch: int, repeats: int) -> dict:
+def measure(engine: ModelEngine, lengths: dict[str, int], batch: int, repeats: int, drafts: int = DRAFTS) -> dict:
     ids = list(lengths)[:batch]
-    requests = [(s, [(7 * i + j) % 256 for j in range(DRAFTS)]) for i, s in enumerate(ids)]
+    requests = [(s, [(7 * i + j) % 256 for j in range(drafts)]) for i, s in enumerate(ids)]
     one_after_another = rolled_back(engine, lengths, lambda: [engine.forward(s, extra) for s, extra in requests])
     batched = rolled_back(engine, lengths, lambda: engine.forward_many(requests))
     sequential_s, batched_s = median_s(one_after_another, repeats), median_s(batched, repeats)
     pairs = list(zip(one_after_another(), batched()))
     return {
-        "sessions": batch, "rows": batch * (DRAFTS + 1), "context_tokens": [lengths[s] for s in ids],
+        "sessions": batch, "rows": batch * (drafts + 1), "context_tokens": [lengths[s] for s in ids],
         "one_after_another_s": round(sequential_s, 4), "batched_s": round(batched_s, 4),
         "speedup": round(sequential_s / batched_s, 2), "batched_s_per_session": round(batched_s / batch, 4),
         "pad_copy_s": round(median_s(lambda: pad_copy(engine, ids), repeats), 4),
@@ -140,7 +142,18 @@ def main() -> None:
         "lone_request": {"stock_forward_s": round(stock_s, 4), "ragged_forward_s": round(ragged_s, 4)},
         "linear_paths": linear_paths(engine, args.repeats),
     }
+    result["draft_steps"] = draft_steps(args.threads, args.repeats)
     print(f"wrote {write('batching', result)}")
+
+
+def draft_steps(threads: int, repeats: int) -> list[dict]:
+    """The int8 draft's drafting step (one row per session) for B sessions: B passes vs one."""
+    engine = ModelEngine(EngineConfig(model_path("draft"), threads=threads, quantize="int8", max_sessions=max(BATCHES)))
+    lengths = sessions(engine, max(BATCHES))
+    rows = [measure(engine, lengths, batch, repeats * 2, drafts=0) for batch in BATCHES]
+    for row in rows:
+        print("draft", row, flush=True)
+    return rows
 
 
 if __name__ == "__main__":

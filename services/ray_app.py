@@ -20,14 +20,15 @@ answers stay exact, but several replicas per model cost re-prefills (see the REA
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from fastapi import FastAPI
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from specd import speculation
 from specd.engine import EngineConfig, PositionMismatch
 from specd.loop import DraftReply, Services, StaleSession, SyncPoint, VerifyReply
 from specd.sampling import SamplingParams
@@ -35,12 +36,17 @@ from specd.verify import Proposal
 from services.common.model_service import ModelServicer
 from services.draft.convert import ProposeCall
 from services.draft.server import DraftServicer
+from services.target.convert import VerifyCall
+from services.target.server import TargetServicer
 from services.coordinator.auth import ApiKeys
 from services.coordinator.frontend import Frontend
 from services.coordinator.gateway import create_app
 from services.coordinator.model_info import load_model_info
 from services.coordinator.requests import Limits
 from services.coordinator.store import RedisSessionStore
+
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -57,16 +63,17 @@ class _ModelDeployment:
         self.servicer = servicer
         self.engine = servicer.engine
 
-    async def _in_session(self, session_id: str, sync: SyncPoint, work, span: str):
-        """(result, compute seconds), or _Stale: the loop then resends the session (a value
-        rather than an exception across Ray, as FAILED_PRECONDITION is across gRPC)."""
-        try:
-            return await self.servicer.in_session(session_id, sync, work, span)
-        except PositionMismatch as mismatch:
-            return _Stale(mismatch.position)
-
     async def release(self, session_id: str) -> None:
         await self.servicer.worker.run(self.engine.release, session_id)
+
+
+async def _or_stale(reply: Awaitable[T]) -> T | _Stale:
+    """The reply, or _Stale: the loop then resends the session (a value rather than an exception
+    across Ray, as FAILED_PRECONDITION is across gRPC)."""
+    try:
+        return await reply
+    except PositionMismatch as mismatch:
+        return _Stale(mismatch.position)
 
 
 @serve.deployment(name="draft")
@@ -75,27 +82,16 @@ class DraftDeployment(_ModelDeployment):
         super().__init__(DraftServicer.load(config, "draft"))
 
     async def propose(self, call: ProposeCall):
-        try:
-            return await self.servicer.propose(call)
-        except PositionMismatch as mismatch:
-            return _Stale(mismatch.position)
+        return await _or_stale(self.servicer.propose(call))
 
 
 @serve.deployment(name="target")
 class TargetDeployment(_ModelDeployment):
     def __init__(self, config: EngineConfig):
-        super().__init__(ModelServicer.load(config, "target"))
+        super().__init__(TargetServicer.load(config, "target"))
 
     async def verify(self, session_id: str, sync: SyncPoint, proposal: Proposal, params: SamplingParams):
-        def verify(position: int):
-            verdict = speculation.verify_proposal(self.engine, session_id, proposal, params)
-            return verdict, self.engine.position(session_id)
-
-        outcome = await self._in_session(session_id, sync, verify, "target.verify")
-        if isinstance(outcome, _Stale):
-            return outcome
-        (verdict, position), compute_s = outcome
-        return VerifyReply(verdict, position, self.engine.instance_id, compute_s)
+        return await _or_stale(self.servicer.verify(VerifyCall(session_id, sync, proposal, params)))
 
 
 class _Handle:

@@ -10,8 +10,13 @@ token at n + K. Uniforms are keyed by those indices (see `specd.sampling.uniform
 Drafting ahead (pipelining): while the target verifies a proposal, the draft may go on
 drafting past it, betting on full acceptance with its own guess of the bonus token. Drafts
 are a pure function of the committed prefix, the params and those position-keyed uniforms,
-so a draft made ahead is exactly the draft the next round would make; the next round takes
-the ones that still extend the committed tokens (`held_ahead`, `propose_after`).
+so a draft made ahead is exactly the draft the next round would make alone (in a batch, up to
+the rounding of a several-session pass: either is a valid draft, the target verifies the q it
+was sampled from); the next round takes the ones that still extend the committed tokens
+(`held_ahead`, `prepare_draft`).
+
+Concurrent sessions draft together (`draft_batch`): each drafting step is one model pass over
+every session still drafting, as verification is one pass over every session verifying.
 """
 
 from __future__ import annotations
@@ -34,23 +39,7 @@ DRAFT_STREAM, ACCEPT_STREAM, SAMPLE_STREAM = "draft", "accept", "sample"
 
 def propose(engine: "ModelEngine", session_id: str, K: int, params: SamplingParams) -> Proposal:
     """Draft K tokens after the session's current tokens (already synced to the committed ones)."""
-    n = engine.position(session_id)
-    u = uniforms(params.seed, DRAFT_STREAM, range(n, n + K)) if not params.greedy else []
-    tokens: list[int] = []
-    rows: list[sparse.SparseDist] = []
-    for i in range(K):
-        logits = engine.forward(session_id, tokens[-1:])[-1:]  # [1, vocab]
-        if params.greedy:
-            tokens.append(int(logits.argmax()))
-            continue
-        row = sparse.encode(warp(logits, params)[0])
-        # Sample from the decoded row: it is exactly the q the target will verify against.
-        tokens.append(sample(sparse.decode(row, engine.vocab_size), u[i]))
-        rows.append(row)
-    # The last draft is known but not yet fed; keep it so a full acceptance needs no resync.
-    if tokens:
-        engine.sync(session_id, n + K - 1, tokens[-1:])
-    return Proposal(tuple(tokens), tuple(rows))
+    return _draft(engine, [(session_id, K, params)])[0]
 
 
 @dataclass
@@ -80,20 +69,79 @@ def held_ahead(engine: "ModelEngine", session_id: str, start_pos: int, tokens: S
     return max(0, len(known) - end)
 
 
-def propose_after(
-    engine: "ModelEngine", session_id: str, n: int, K: int, params: SamplingParams, ahead: Ahead | None
-) -> tuple[Proposal, int]:
-    """Propose K drafts after the committed length n, taking those already drafted ahead first;
-    returns the proposal and how many were reused. The session may hold drafts past n."""
-    held = engine.tokens(session_id)[n : n + K]
-    usable = ahead is not None and ahead.params == params
-    if usable and not params.greedy:
+@dataclass(frozen=True)
+class DraftCall:
+    """One session's share of a batched proposal: K drafts after its committed length."""
+
+    session_id: str
+    position: int  # n, the committed length; the session may hold drafts made ahead past it
+    K: int
+    params: SamplingParams
+    ahead: Ahead | None = None  # what the session drafted ahead after its last proposal
+
+
+@dataclass(frozen=True)
+class Drafting:
+    """One session's share of a batched proposal, checked: in a batch it can only fail with the batch."""
+
+    call: DraftCall
+    held: Proposal  # the drafts made ahead that it reuses
+
+
+def prepare_draft(engine: "ModelEngine", call: DraftCall) -> Drafting:
+    """Take the drafts made ahead that the call can use (they still extend the committed tokens and
+    were drafted with the same params), leaving the session just past them; then check everything
+    about drafting the rest that could fail, before any model work."""
+    n, ahead = call.position, call.ahead
+    held = engine.tokens(call.session_id)[n : n + call.K]
+    usable = ahead is not None and ahead.params == call.params
+    if usable and not call.params.greedy:
         usable = all(pos in ahead.rows for pos in range(n, n + len(held)))
     reused = len(held) if usable else 0
-    engine.truncate(session_id, n + reused)
-    rest = propose(engine, session_id, K - reused, params) if reused < K else Proposal((), ())
-    rows = tuple(ahead.rows[pos] for pos in range(n, n + reused)) if reused and not params.greedy else ()
-    return Proposal(held[:reused] + rest.tokens, rows + rest.q), reused
+    engine.truncate(call.session_id, n + reused)
+    engine.check_forward(call.session_id, [0] * (call.K - reused))  # it grows by that many: all fed but the last
+    rows = tuple(ahead.rows[pos] for pos in range(n, n + reused)) if reused and not call.params.greedy else ()
+    return Drafting(call, Proposal(held[:reused], rows))
+
+
+def draft_batch(engine: "ModelEngine", draftings: Sequence[Drafting]) -> list[tuple[Proposal, int]]:
+    """Each session's K drafts, the ones made ahead first; (proposal, reused) per session. Every
+    drafting step is ONE model pass over all the sessions still drafting."""
+    fresh = _draft(engine, [(d.call.session_id, d.call.K - len(d.held.tokens), d.call.params) for d in draftings])
+    return [(Proposal(d.held.tokens + new.tokens, d.held.q + new.q), len(d.held.tokens))
+            for d, new in zip(draftings, fresh)]
+
+
+def propose_after(engine: "ModelEngine", call: DraftCall) -> tuple[Proposal, int]:
+    """One session's `draft_batch`."""
+    return draft_batch(engine, [prepare_draft(engine, call)])[0]
+
+
+def _draft(engine: "ModelEngine", requests: Sequence[tuple[str, int, SamplingParams]]) -> list[Proposal]:
+    """(session, K, params) -> K drafts after the session's current tokens; step i is one pass over
+    the sessions with K > i. A pass holding one session is the plain one-session forward."""
+    starts = [engine.position(session_id) for session_id, _, _ in requests]
+    u = [uniforms(params.seed, DRAFT_STREAM, range(n, n + K)) if not params.greedy else []
+         for (_, K, params), n in zip(requests, starts)]
+    tokens: list[list[int]] = [[] for _ in requests]
+    rows: list[list[sparse.SparseDist]] = [[] for _ in requests]
+    for i in range(max((K for _, K, _ in requests), default=0)):
+        drafting = [j for j, (_, K, _) in enumerate(requests) if i < K]
+        logits = engine.forward_many([(requests[j][0], tokens[j][-1:]) for j in drafting])
+        for j, rows_j in zip(drafting, logits):
+            last, params = rows_j[-1:], requests[j][2]  # [1, vocab]: after the newest token
+            if params.greedy:
+                tokens[j].append(int(last.argmax()))
+                continue
+            row = sparse.encode(warp(last, params)[0])
+            # Sample from the decoded row: it is exactly the q the target will verify against.
+            tokens[j].append(sample(sparse.decode(row, engine.vocab_size), u[j][i]))
+            rows[j].append(row)
+    # The last draft is known but not yet fed; keep it so a full acceptance needs no resync.
+    for (session_id, K, _), n, drafted in zip(requests, starts, tokens):
+        if drafted:
+            engine.sync(session_id, n + K - 1, drafted[-1:])
+    return [Proposal(tuple(t), tuple(r)) for t, r in zip(tokens, rows)]
 
 
 @dataclass(frozen=True)

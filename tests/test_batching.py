@@ -1,8 +1,10 @@
-"""Cross-session batched verification: several sessions' verifications in one target pass.
+"""Cross-session batching: several sessions' verifications in one target pass, and their
+drafting steps in one draft pass each.
 
 Speculation level: `verify_batch` decides exactly what `verify_proposal` decides one session at
-a time (greedy and sampled, mixed K). Service level, real gRPC servers with the tiny float64
-pair: concurrent generations are batched in the target and each stays token-identical to the
+a time, and `draft_batch` drafts what `propose` drafts for each session alone (greedy and
+sampled, mixed K and lengths). Service level, real gRPC servers with the tiny float64 pair:
+concurrent generations are batched in both services and each stays token-identical to the
 target alone; a request that fails in a batch fails alone.
 """
 
@@ -15,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
+import torch
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -22,12 +25,22 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from specd.engine import EngineConfig, ModelEngine
 from specd.loop import SyncPoint
 from specd.sampling import SamplingParams
-from specd.speculation import prepare_verification, propose, verify_batch, verify_proposal
+from specd import sparse
+from specd.speculation import (
+    DraftCall,
+    draft_batch,
+    prepare_draft,
+    prepare_verification,
+    propose,
+    verify_batch,
+    verify_proposal,
+)
 from specd.verify import Proposal
 from services.common.worker import Batcher, EngineWorker
-from services.protogen.specd.v1 import coordinator_pb2, target_pb2_grpc
+from services.common import model_service
+from services.draft import convert as draft_convert
+from services.protogen.specd.v1 import coordinator_pb2, draft_pb2_grpc, target_pb2_grpc
 from services.target import convert
-from services.target import server as target_server
 from tests.cluster import Cluster
 from tests.conftest import greedy_reference
 
@@ -54,6 +67,26 @@ def test_verify_batch_decides_what_one_session_at_a_time_decides(tiny_pair, para
             assert verdict == expected[v.session_id]
             assert batched.tokens(v.session_id) == alone.tokens(v.session_id)
             draft.sync(v.session_id, v.position + verdict.num_accepted, [verdict.next_token])
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=1.0, top_k=6, seed=3)],
+                         ids=["greedy", "sampled"])
+def test_draft_batch_drafts_what_each_session_drafts_alone(tiny_pair, params):
+    alone, batched = (ModelEngine(EngineConfig(tiny_pair[0], dtype="float64")) for _ in range(2))
+    for session, prompt in enumerate(PROMPTS):
+        for engine in (alone, batched):
+            engine.sync(str(session), 0, prompt)
+    for round_ in range(3):
+        calls = [DraftCall(str(s), batched.position(str(s)), (s + round_) % 5 + 1, params) for s in range(len(PROMPTS))]
+        drafted = draft_batch(batched, [prepare_draft(batched, call) for call in calls])
+        for call, (proposal, reused) in zip(calls, drafted):
+            expected = propose(alone, call.session_id, call.K, params)
+            assert reused == 0 and proposal.tokens == expected.tokens and len(proposal.q) == len(expected.q)
+            for row, expected_row in zip(proposal.q, expected.q):  # equal up to the rounding of a batched matmul
+                assert torch.allclose(sparse.decode(row, alone.vocab_size), sparse.decode(expected_row, alone.vocab_size))
+            assert batched.tokens(call.session_id) == alone.tokens(call.session_id)
+            for engine in (alone, batched):  # the round's verdict: one draft accepted, then a recovered token
+                engine.sync(call.session_id, call.position + 1, [(7 * round_ + 1) % 256])
 
 
 # -- the batcher --------------------------------------------------------------------------------
@@ -113,13 +146,14 @@ def test_a_lone_call_does_not_wait_for_a_batch():
 @pytest.fixture(scope="module")
 def cluster(tiny_pair, redis_url):
     c = Cluster(*tiny_pair, redis_url)
+    slow_down(c.draft_engine)
     slow_down(c.target_engine)
     yield c
     c.close()
 
 
 def slow_down(engine: ModelEngine, seconds: float = 0.02) -> None:
-    """The tiny target is so fast that requests rarely meet; a real one is busy long enough that
+    """The tiny models are so fast that requests rarely meet; real ones are busy long enough that
     they do. Each pass takes a little longer here, so concurrent rounds do queue up."""
     forward_many = engine.forward_many
 
@@ -135,7 +169,7 @@ def test_concurrent_generations_are_batched_and_each_is_the_target_alone(cluster
     texts = ["def add(a, b):", "Once upon a time", "The quick brown fox", "x = [1, 2, 3]", "Hej! Ça va?",
              "import numpy as np", "while True:", "SELECT * FROM"]
     n_tokens = 20
-    largest_before = cluster.target.batcher.largest
+    largest_before = cluster.target.batcher.largest, cluster.draft.batcher.largest
 
     def complete(i: int) -> list[int]:
         with grpc.insecure_channel(cluster.address("coordinator")) as channel:
@@ -149,7 +183,29 @@ def test_concurrent_generations_are_batched_and_each_is_the_target_alone(cluster
         outputs = list(pool.map(complete, range(len(texts))))
     for text, output in zip(texts, outputs):
         assert output == reference(cluster.model.encode(text), n_tokens), text
-    assert cluster.target.batcher.largest >= 3 > largest_before
+    assert cluster.target.batcher.largest >= 3 > largest_before[0]
+    assert cluster.draft.batcher.largest >= 3 > largest_before[1]
+
+
+def in_one_turn(cluster, servicer, rpc, sessions: list[str]) -> dict[str, tuple]:
+    """rpc(session) for every session while the servicer's worker is held, so that all of them
+    queue for its next turn; session -> (status code, reply or None)."""
+
+    def call(session: str):
+        try:
+            return grpc.StatusCode.OK, rpc(session)
+        except grpc.RpcError as error:
+            return error.code(), None
+
+    release = threading.Event()
+    blocked = asyncio.run_coroutine_threadsafe(servicer.worker.run(release.wait), cluster.loop)
+    with ThreadPoolExecutor(len(sessions)) as pool:
+        replies = [pool.submit(call, session) for session in sessions]
+        while servicer.batcher.waiting < len(sessions):
+            time.sleep(0.01)
+        release.set()
+        blocked.result(timeout=10)
+        return dict(zip(sessions, (r.result() for r in replies)))
 
 
 def test_a_request_that_fails_in_a_batch_fails_alone(cluster):
@@ -177,37 +233,58 @@ def test_a_request_that_fails_in_a_batch_fails_alone(cluster):
             request = convert.step_request(session, sync, SamplingParams())
         with grpc.insecure_channel(cluster.address("target")) as channel:
             stub = target_pb2_grpc.TargetServiceStub(channel)
-            try:
-                reply = (stub.Verify if drafts else stub.Step)(request, timeout=60)
-            except grpc.RpcError as error:
-                return error.code(), None
-            return grpc.StatusCode.OK, convert.verify_reply(reply)
+            return (stub.Verify if drafts else stub.Step)(request, timeout=60)
 
-    release = threading.Event()
-    blocked = asyncio.run_coroutine_threadsafe(servicer.worker.run(release.wait), cluster.loop)
-    with ThreadPoolExecutor(len(calls)) as pool:
-        replies = [pool.submit(verify, session) for session in calls]
-        while servicer.batcher.waiting < len(calls):
-            time.sleep(0.01)
-        release.set()
-        blocked.result(timeout=10)
-        outcomes = dict(zip(calls, (r.result() for r in replies)))
+    outcomes = in_one_turn(cluster, servicer, verify, list(calls))
     assert servicer.batcher.batches == batches_before + 1  # all four went through one pass
     for session, (code, reply) in outcomes.items():
         assert code == calls[session][2], session
     for session in ("batch-ok-1", "batch-ok-2"):
-        reply = outcomes[session][1]
+        reply = convert.verify_reply(outcomes[session][1])
         assert reply.verdict == expected[session]
         assert reply.position == target.position(session) == len(prompt) + reply.verdict.num_accepted + 1
         assert target.tokens(session)[len(prompt):] == (*calls[session][1][: reply.verdict.num_accepted],
                                                         reply.verdict.next_token)
 
 
+def test_proposals_that_queue_draft_together_and_one_that_fails_fails_alone(cluster):
+    draft, servicer = cluster.draft_engine, cluster.draft
+    prompt = (72, 101, 108, 108, 111)
+    params = SamplingParams(temperature=1.0, top_k=6, seed=5)
+    calls = {  # session -> (sync, K, expected status)
+        "draft-ok-1": (SyncPoint(0, prompt), 2, grpc.StatusCode.OK),
+        "draft-stale": (SyncPoint(3, (108, 111), "another-instance"), 2, grpc.StatusCode.FAILED_PRECONDITION),
+        "draft-too-long": (SyncPoint(0, (7,) * (draft.max_context - 2)), 4, grpc.StatusCode.INVALID_ARGUMENT),
+        "draft-ok-2": (SyncPoint(0, prompt[:3]), 4, grpc.StatusCode.OK),
+    }
+    expected = {}
+    for session, (sync, k, code) in calls.items():
+        if code == grpc.StatusCode.OK:
+            reference = f"{session}-alone"
+            draft.sync(reference, 0, sync.tokens)
+            expected[session] = servicer.worker.call(propose, draft, reference, k, params)
+    batches_before = servicer.batcher.batches
+
+    def propose_rpc(session: str):
+        sync, k, _ = calls[session]
+        request = draft_convert.propose_request(session, sync, k, params)
+        with grpc.insecure_channel(cluster.address("draft")) as channel:
+            return draft_pb2_grpc.DraftServiceStub(channel).Propose(request, timeout=60)
+
+    outcomes = in_one_turn(cluster, servicer, propose_rpc, list(calls))
+    assert servicer.batcher.batches == batches_before + 1  # all four went through one turn
+    for session, (code, reply) in outcomes.items():
+        assert code == calls[session][2], session
+    for session, proposal in expected.items():
+        reply = draft_convert.draft_reply(outcomes[session][1])
+        assert reply.proposal.tokens == proposal.tokens and reply.position == len(calls[session][0].tokens)
+
+
 def test_each_request_of_a_batch_gets_its_own_span_under_its_own_rpc(cluster, monkeypatch):
     exporter, provider = InMemorySpanExporter(), TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     tracer = provider.get_tracer("test")  # the process's global provider stays untouched
-    monkeypatch.setattr(target_server, "tracer", tracer)
+    monkeypatch.setattr(model_service, "tracer", tracer)
     servicer = cluster.target
     calls = [convert.VerifyCall(f"span-{k}", SyncPoint(0, (72, 101, 108)), Proposal(tuple(range(1, k + 1)), ()),
                                 SamplingParams()) for k in range(3)]

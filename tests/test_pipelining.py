@@ -65,7 +65,7 @@ def test_drafts_made_ahead_are_the_drafts_the_next_round_would_make(draft, param
     guess = draft.tokens("s")[n]  # the draft's own guess of the bonus token
     assert speculation.held_ahead(draft, "s", n, [guess]) == K  # full acceptance, the guess was right
     committed = PROMPT + list(first.tokens) + [guess]
-    proposal, reused = speculation.propose_after(draft, "s", len(committed), K, params, ahead)
+    proposal, reused = speculation.propose_after(draft, speculation.DraftCall("s", len(committed), K, params, ahead))
     assert reused == K
     assert proposal == fresh_proposal(draft, committed, K, params)
     assert len(proposal.q) == (0 if params.greedy else K)
@@ -79,7 +79,7 @@ def test_a_lost_bet_drafts_afresh(draft, params):
     assert speculation.held_ahead(draft, "s", n, [wrong_bonus]) == 0
     draft.sync("s", n, [wrong_bonus])  # what the servicer does when nothing held is usable
     committed = PROMPT + list(first.tokens) + [wrong_bonus]
-    proposal, reused = speculation.propose_after(draft, "s", len(committed), K, params, ahead)
+    proposal, reused = speculation.propose_after(draft, speculation.DraftCall("s", len(committed), K, params, ahead))
     assert reused == 0 and proposal == fresh_proposal(draft, committed, K, params)
 
 
@@ -89,7 +89,7 @@ def test_drafts_made_with_other_params_are_not_reused(draft):
     guess = draft.tokens("s")[n]
     committed = PROMPT + list(first.tokens) + [guess]
     other = SamplingParams(temperature=0.8, top_k=20, seed=8)
-    proposal, reused = speculation.propose_after(draft, "s", len(committed), K, other, ahead)
+    proposal, reused = speculation.propose_after(draft, speculation.DraftCall("s", len(committed), K, other, ahead))
     assert reused == 0 and proposal == fresh_proposal(draft, committed, K, other)
 
 

@@ -30,9 +30,9 @@ def parse(role: str, default_port: int, argv: list[str] | None) -> argparse.Name
     settings.add(parser, "--max-sessions", type=int, default=64, help="KV caches kept; idle ones are evicted LRU")
     settings.add(parser, "--quantize", default="none", help="none | int8 (CPU; for a draft only: it changes numerics)")
     settings.add(parser, "--metrics-port", type=int, default=0, help="serve Prometheus /metrics on this port (0: off)")
-    if role == "target":
-        settings.add(parser, "--max-batch", type=int, default=DEFAULT_MAX_BATCH,
-                     help="verifications that queued while the model was busy share one forward pass, up to this many")
+    settings.add(parser, "--max-batch", type=int, default=DEFAULT_MAX_BATCH,
+                 help=f"{'verifications' if role == 'target' else 'proposals'} that queued while the model was busy "
+                      "share its passes, up to this many")
     args = parser.parse_args(argv)
     if args.model_dir is None:
         parser.error("--model-dir (or SPECD_MODEL_DIR) is required")

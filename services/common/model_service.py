@@ -1,29 +1,49 @@
-"""What the draft and target servicers share: an engine behind one worker thread, and the
-session RPCs (GetSession, Release)."""
+"""What the draft and target servicers share: an engine behind one worker thread, calls that
+queue while it is busy going through one model pass together (each with its own span, error
+and answer), and the session RPCs (GetSession, Release)."""
 
 from __future__ import annotations
 
 import time
-from typing import Callable, Self, TypeVar
+from dataclasses import dataclass
+from typing import Any, Callable, Generic, Protocol, Self, TypeVar
 
 import grpc
+from opentelemetry import context as otel_context
 from opentelemetry import trace
+from opentelemetry.trace import Span, Status, StatusCode
 
 from specd.engine import EngineConfig, ModelEngine, PositionMismatch
 from specd.loop import SyncPoint
 from services.common import convert
 from services.common.errors import grpc_errors
 from services.common.metrics import ModelMetrics
-from services.common.worker import EngineWorker
+from services.common.worker import Batcher, EngineWorker
 from services.protogen.specd.v1 import common_pb2
 
-T = TypeVar("T")
+R = TypeVar("R")
 tracer = trace.get_tracer(__name__)
 
 
-def span_attributes(session_id: str, sync: SyncPoint) -> dict[str, str | int]:
-    return {"specd.session_id": session_id, "specd.sync.start_pos": sync.start_pos,
-            "specd.sync.tokens": len(sync.tokens)}
+class SessionCall(Protocol):
+    session_id: str
+    sync: SyncPoint
+
+
+C = TypeVar("C", bound=SessionCall)
+Outcome = tuple[R, dict[str, Any]] | Exception  # a result and its span's attributes, or that call's error
+
+
+@dataclass(frozen=True)
+class Queued(Generic[C]):
+    call: C
+    parent: otel_context.Context  # the RPC's trace context: its model span hangs under it
+
+
+@dataclass(frozen=True)
+class Done(Generic[R]):
+    result: R
+    compute_s: float  # the whole batch's model time: what this request waited on
 
 
 class ModelServicer:
@@ -39,26 +59,25 @@ class ModelServicer:
         worker = EngineWorker(name)
         return cls(worker.call(ModelEngine, config), name, worker, **kwargs)
 
-    async def in_session(
-        self, session_id: str, sync: SyncPoint, work: Callable[[int], T], span: str
-    ) -> tuple[T, float]:
-        """On the worker thread: bring the session to the committed tokens, then `work(position)`.
+    def make_batcher(
+        self, run: Callable[[list[C]], list[Outcome]], span_name: Callable[[C], str], max_batch: int
+    ) -> Batcher[Queued[C], Done]:
+        """Calls queued while the worker is busy go through `run` together, on the worker thread;
+        each gets its own span under its RPC's, covering the batch's model time."""
 
-        Returns the result and the seconds spent, so callers can tell model time from overhead.
-        The span covers exactly that model time (the RPC's server span also counts the queue);
-        `work` may add attributes to it (`trace.get_current_span()`).
-        """
+        def run_batch(batch: list[Queued[C]]) -> list[Done | Exception]:
+            start = time.perf_counter()
+            spans = [_start_span(span_name(queued.call), queued, len(batch)) for queued in batch]
+            try:
+                outcomes = run([queued.call for queued in batch])
+            except Exception as error:
+                outcomes = [error] * len(batch)
+            finally:
+                self.metrics.engine_changed(self.engine)  # a sync may evict, even one that then fails
+            compute_s = time.perf_counter() - start
+            return [_settle(span, outcome, compute_s) for span, outcome in zip(spans, outcomes)]
 
-        def call() -> tuple[T, float]:
-            with tracer.start_as_current_span(span, attributes=span_attributes(session_id, sync)):
-                start = time.perf_counter()
-                try:
-                    result = work(self.sync_session(session_id, sync))
-                finally:
-                    self.metrics.engine_changed(self.engine)  # a sync may evict, even one that then fails
-                return result, time.perf_counter() - start
-
-        return await self.worker.run(call)
+        return Batcher(self.worker, run_batch, key=lambda queued: queued.call.session_id, max_batch=max_batch)
 
     def sync_session(self, session_id: str, sync: SyncPoint) -> int:
         """Worker thread: bring the session to the committed tokens; returns its position."""
@@ -99,3 +118,28 @@ class ModelServicer:
 
     def close(self) -> None:
         self.worker.close()
+
+
+def queued(call: C) -> Queued[C]:
+    """A call to submit to a `ModelServicer.make_batcher`, under the current (the RPC's) trace context."""
+    return Queued(call, otel_context.get_current())
+
+
+def _start_span(name: str, queued: Queued, batch_size: int) -> Span:
+    call = queued.call
+    attributes = {"specd.session_id": call.session_id, "specd.sync.start_pos": call.sync.start_pos,
+                  "specd.sync.tokens": len(call.sync.tokens), "specd.batch_size": batch_size}
+    return tracer.start_span(name, context=queued.parent, attributes=attributes)
+
+
+def _settle(span: Span, outcome: Outcome, compute_s: float) -> Done | Exception:
+    try:
+        if isinstance(outcome, Exception):
+            span.record_exception(outcome)
+            span.set_status(Status(StatusCode.ERROR, f"{type(outcome).__name__}: {outcome}"))
+            return outcome
+        result, attributes = outcome
+        span.set_attributes(attributes)
+        return Done(result, compute_s)
+    finally:
+        span.end()

@@ -1,5 +1,10 @@
 """Draft service: proposes K tokens per round from the small model, and (pipelining) drafts
-ahead while the target verifies."""
+ahead while the target verifies.
+
+Proposals that arrive while the model is busy wait and then draft together
+(`specd.speculation.draft_batch`): each drafting step is one model pass over every session
+still drafting. Each request is still synced, checked, traced and answered on its own.
+"""
 
 from __future__ import annotations
 
@@ -9,22 +14,25 @@ import logging
 import time
 
 import grpc
-from opentelemetry import trace
 
 from specd import speculation
 from specd.loop import DraftReply, SyncPoint
+from specd.verify import Proposal
 from services.common.errors import grpc_errors
-from services.common.model_service import ModelServicer
-from services.common.worker import EngineWorker
+from services.common.model_service import ModelServicer, Outcome, queued
+from services.common.worker import DEFAULT_MAX_BATCH, EngineWorker
 from services.draft import convert
 from services.protogen.specd.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
 log = logging.getLogger(__name__)
 
+Drafted = tuple[Proposal, int, int]  # the proposal, drafts reused from drafting ahead, the committed length
+
 
 class DraftServicer(ModelServicer, draft_pb2_grpc.DraftServiceServicer):
-    def __init__(self, engine, name: str, worker: EngineWorker):
+    def __init__(self, engine, name: str, worker: EngineWorker, max_batch: int = DEFAULT_MAX_BATCH):
         super().__init__(engine, name, worker)
+        self.batcher = self.make_batcher(self._run, lambda call: "draft.propose", max_batch)
         # Sessions drafting (or done drafting) ahead. Only the worker thread pops an entry for a
         # Propose, so a drafting step that finds its entry gone knows a newer call came first.
         self._ahead: dict[str, speculation.Ahead] = {}
@@ -38,23 +46,32 @@ class DraftServicer(ModelServicer, draft_pb2_grpc.DraftServiceServicer):
     async def propose(self, call: convert.ProposeCall) -> DraftReply:
         """Sync, draft K (taking drafts made ahead first), then start drafting ahead if asked.
         Transport-free: the gRPC method and the Ray Serve deployment both call it."""
-
-        def draft(position: int):
-            ahead = self._ahead.pop(call.session_id, None)
-            proposal, reused = speculation.propose_after(
-                self.engine, call.session_id, position, call.k, call.params, ahead
-            )
-            span = trace.get_current_span()
-            span.set_attributes({"specd.k": call.k, "specd.position": position, "specd.reused": reused})
-            return proposal, reused, position
-
-        (proposal, reused, position), compute_s = await self.in_session(
-            call.session_id, call.sync, draft, "draft.propose"
-        )
-        self.metrics.model_step("propose", compute_s)
+        done = await self.batcher.submit(queued(call))
+        self.metrics.model_step("propose", done.compute_s)
         if call.lookahead:
             self._start_drafting_ahead(call)
-        return DraftReply(proposal, position, self.engine.instance_id, compute_s, reused)
+        proposal, reused, position = done.result
+        return DraftReply(proposal, position, self.engine.instance_id, done.compute_s, reused)
+
+    def _run(self, calls: list[convert.ProposeCall]) -> list[Outcome[Drafted]]:
+        """Worker thread: sync and check each request alone (its error is its own), then draft for
+        the rest together."""
+        checked = [self._prepare(call) for call in calls]
+        ready = [c for c in checked if isinstance(c, speculation.Drafting)]
+        try:
+            drafted = iter(speculation.draft_batch(self.engine, ready))
+        except Exception as error:  # a pass failed: every request in it fails
+            return [error if isinstance(c, speculation.Drafting) else c for c in checked]
+        return [_answer(c, *next(drafted)) if isinstance(c, speculation.Drafting) else c for c in checked]
+
+    def _prepare(self, call: convert.ProposeCall) -> speculation.Drafting | Exception:
+        try:
+            position = self.sync_session(call.session_id, call.sync)
+            ahead = self._ahead.pop(call.session_id, None)
+            draft = speculation.DraftCall(call.session_id, position, call.k, call.params, ahead)
+            return speculation.prepare_draft(self.engine, draft)
+        except Exception as error:
+            return error
 
     def sync_session(self, session_id: str, sync: SyncPoint) -> int:
         """Drafts made ahead that still extend the committed tokens stay; anything else syncs."""
@@ -95,6 +112,11 @@ class DraftServicer(ModelServicer, draft_pb2_grpc.DraftServiceServicer):
                     return
         except Exception as error:  # e.g. the context is full: the next round drafts for itself
             log.debug("drafting ahead stopped for %s: %s", call.session_id, error)
+
+
+def _answer(drafting: speculation.Drafting, proposal: Proposal, reused: int) -> Outcome[Drafted]:
+    call = drafting.call
+    return (proposal, reused, call.position), {"specd.k": call.K, "specd.position": call.position, "specd.reused": reused}
 
 
 def register(servicer: DraftServicer):
