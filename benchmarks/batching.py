@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import machine, write
+from specd import kernels
 from specd.engine import EngineConfig, ModelEngine
 from specd.models import model_path
 
@@ -100,19 +101,22 @@ def pad_copy(engine: ModelEngine, ids: list[str]) -> None:
 
 def linear_paths(engine: ModelEngine, repeats: int) -> list[dict]:
     """F.linear vs W @ x.T (specd/kernels.py) on the MLP's gate and down projections, with x's rows
-    row-major in memory (what the kernel path now feeds) and column-major (what it fed before: a
-    small-row linear's own output is transposed in memory)."""
+    row-major in memory (what the kernel path feeds), column-major (what it fed before: a small-row
+    linear's own output is transposed in memory), and padded with zero rows to
+    `kernels.padded_rows` (what it feeds now)."""
     mlp = engine.model.model.layers[0].mlp
     out = []
     for name, weight in (("gate_proj", mlp.gate_proj.weight), ("down_proj", mlp.down_proj.weight)):
-        for rows in (5, 10, 16, 40):
+        for rows in (3, 4, 5, 7, 8, 9, 12, 16, 40):
             x = torch.randn(rows, weight.shape[1])  # [rows, in]
             x_column_major = x.T.contiguous().T  # the same values, transposed in memory
+            x_padded = torch.cat([x, x.new_zeros(kernels.padded_rows(rows) - rows, x.shape[1])])
             with torch.inference_mode():
                 times = {path: median_s(run, repeats * 4) for path, run in (
                     ("f_linear", lambda: F.linear(x, weight)),
                     ("w_xt", lambda: (weight @ x.T).T),
                     ("w_xt_column_major", lambda: (weight @ x_column_major.T).T),
+                    ("w_xt_padded", lambda: (weight @ x_padded.T)[:, :rows].T),
                 )}
             out.append({"weight": name, "rows": rows, **{f"{k}_ms": round(v * 1e3, 3) for k, v in times.items()}})
     return out

@@ -17,18 +17,19 @@ import torch
 from specd.validation import validate_that
 
 MAX_TOP_K = 1 << 20
+GREEDY_BELOW = 1e-5  # a temperature below this decodes greedily, as in vLLM: logits / 1e-300 overflow
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 0.0  # 0 means greedy
+    temperature: float = 0.0  # 0 (or anything below GREEDY_BELOW) means greedy
     top_k: int = 0  # 0 disables top-k
     top_p: float = 1.0  # 1 disables nucleus filtering
     seed: int = 0
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
     def validate(self) -> "SamplingParams":
         validate_that(0.0 <= self.temperature <= 100.0, "temperature must be in [0, 100] (0 = greedy)")
@@ -52,6 +53,7 @@ def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         sorted_probs = sorted_scores.softmax(-1)
         # Drop a token when the mass before it already reaches top_p; the first one always stays.
         drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= params.top_p
+        drop_sorted[..., 0] = False  # explicitly: a top_p below float32's range compares as 0
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         scores = scores.masked_fill(drop, float("-inf"))
     return scores.softmax(-1)

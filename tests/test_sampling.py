@@ -68,3 +68,16 @@ def test_sparse_decode_refuses_malformed_rows(ids, probs):
     )
     with pytest.raises(ValueError, match="draft distribution"):
         sparse.decode(row, 1000)
+
+
+def test_a_top_p_below_float32_range_keeps_the_most_likely_token():
+    logits = torch.tensor([[0.5, 2.0, -1.0, 1.0]])
+    probs = warp(logits, SamplingParams(temperature=1.0, top_p=5e-324))  # 0.0 as a float32
+    assert torch.equal(probs, torch.tensor([[0.0, 1.0, 0.0, 0.0]]))
+
+
+def test_a_temperature_too_small_to_divide_by_decodes_greedily():
+    assert SamplingParams(temperature=5e-324).validate().greedy  # logits / 5e-324 would be inf
+    assert not SamplingParams(temperature=1e-3).greedy
+    probs = warp(torch.tensor([[0.5, 2.0, -1.0, 1.0]]), SamplingParams(temperature=1e-3))
+    assert torch.equal(probs, torch.tensor([[0.0, 1.0, 0.0, 0.0]]))
