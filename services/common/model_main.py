@@ -30,9 +30,7 @@ def parse(role: str, default_port: int, argv: list[str] | None) -> argparse.Name
     settings.add(parser, "--max-sessions", type=int, default=64, help="KV caches kept; idle ones are evicted LRU")
     settings.add(parser, "--quantize", default="none", help="none | int8 (CPU; for a draft only: it changes numerics)")
     settings.add(parser, "--metrics-port", type=int, default=0, help="serve Prometheus /metrics on this port (0: off)")
-    # Draft default 1: a batch answers when its longest K is drafted, so short-K sessions wait for
-    # long ones, and their compute_s (the batch's) reads as a slow draft to the cost model.
-    settings.add(parser, "--max-batch", type=int, default=DEFAULT_MAX_BATCH if role == "target" else 1,
+    settings.add(parser, "--max-batch", type=int, default=DEFAULT_MAX_BATCH,
                  help=f"{'verifications' if role == 'target' else 'proposals'} that queued while the model was busy "
                       "share its passes, up to this many")
     args = parser.parse_args(argv)
