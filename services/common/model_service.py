@@ -22,6 +22,8 @@ from services.common.worker import Batcher, EngineWorker
 from services.protogen.specd.v1 import common_pb2
 
 R = TypeVar("R")
+P = TypeVar("P")  # a call prepared for the batch's pass
+X = TypeVar("X")  # what the pass made of it
 tracer = trace.get_tracer(__name__)
 
 
@@ -60,22 +62,38 @@ class ModelServicer:
         return cls(worker.call(ModelEngine, config), name, worker, **kwargs)
 
     def make_batcher(
-        self, run: Callable[[list[C]], list[Outcome]], span_name: Callable[[C], str], max_batch: int
+        self,
+        prepare: Callable[[C], P],
+        run: Callable[[list[P]], list[X]],
+        answer: Callable[[P, X], Outcome],
+        span_name: Callable[[C], str],
+        max_batch: int,
     ) -> Batcher[Queued[C], Done]:
-        """Calls queued while the worker is busy go through `run` together, on the worker thread;
-        each gets its own span under its RPC's, covering the batch's model time."""
+        """Calls queued while the worker is busy go through together, on the worker thread: each
+        is prepared (synced, checked) alone, so its error is its own; the prepared ones go through
+        `run` in one go, which can only fail them all; each gets its own answer and its own span
+        under its RPC's, covering the batch's model time."""
+
+        def outcomes(calls: list[C]) -> list[Outcome]:
+            checked = [_attempt(prepare, call) for call in calls]
+            ready = [c for c in checked if not isinstance(c, Exception)]
+            try:
+                results = iter(run(ready))
+            except Exception as error:  # a pass failed: every request in it fails
+                return [c if isinstance(c, Exception) else error for c in checked]
+            return [c if isinstance(c, Exception) else answer(c, next(results)) for c in checked]
 
         def run_batch(batch: list[Queued[C]]) -> list[Done | Exception]:
             start = time.perf_counter()
             spans = [_start_span(span_name(queued.call), queued, len(batch)) for queued in batch]
             try:
-                outcomes = run([queued.call for queued in batch])
+                settled = outcomes([queued.call for queued in batch])
             except Exception as error:
-                outcomes = [error] * len(batch)
+                settled = [error] * len(batch)
             finally:
                 self.metrics.engine_changed(self.engine)  # a sync may evict, even one that then fails
             compute_s = time.perf_counter() - start
-            return [_settle(span, outcome, compute_s) for span, outcome in zip(spans, outcomes)]
+            return [_settle(span, outcome, compute_s) for span, outcome in zip(spans, settled)]
 
         return Batcher(self.worker, run_batch, key=lambda queued: queued.call.session_id, max_batch=max_batch)
 
@@ -123,6 +141,13 @@ class ModelServicer:
 def queued(call: C) -> Queued[C]:
     """A call to submit to a `ModelServicer.make_batcher`, under the current (the RPC's) trace context."""
     return Queued(call, otel_context.get_current())
+
+
+def _attempt(prepare: Callable[[C], P], call: C) -> P | Exception:
+    try:
+        return prepare(call)
+    except Exception as error:
+        return error
 
 
 def _start_span(name: str, queued: Queued, batch_size: int) -> Span:

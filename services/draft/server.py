@@ -13,6 +13,8 @@ import contextvars
 import logging
 import time
 
+from functools import partial
+
 import grpc
 
 from specd import speculation
@@ -32,7 +34,9 @@ Drafted = tuple[Proposal, int, int]  # the proposal, drafts reused from drafting
 class DraftServicer(ModelServicer, draft_pb2_grpc.DraftServiceServicer):
     def __init__(self, engine, name: str, worker: EngineWorker, max_batch: int = DEFAULT_MAX_BATCH):
         super().__init__(engine, name, worker)
-        self.batcher = self.make_batcher(self._run, lambda call: "draft.propose", max_batch)
+        self.batcher = self.make_batcher(
+            self._prepare, partial(speculation.draft_batch, engine), _answer, lambda call: "draft.propose", max_batch
+        )
         # Sessions drafting (or done drafting) ahead. Only the worker thread pops an entry for a
         # Propose, so a drafting step that finds its entry gone knows a newer call came first.
         self._ahead: dict[str, speculation.Ahead] = {}
@@ -53,25 +57,11 @@ class DraftServicer(ModelServicer, draft_pb2_grpc.DraftServiceServicer):
         proposal, reused, position = done.result
         return DraftReply(proposal, position, self.engine.instance_id, done.compute_s, reused)
 
-    def _run(self, calls: list[convert.ProposeCall]) -> list[Outcome[Drafted]]:
-        """Worker thread: sync and check each request alone (its error is its own), then draft for
-        the rest together."""
-        checked = [self._prepare(call) for call in calls]
-        ready = [c for c in checked if isinstance(c, speculation.Drafting)]
-        try:
-            drafted = iter(speculation.draft_batch(self.engine, ready))
-        except Exception as error:  # a pass failed: every request in it fails
-            return [error if isinstance(c, speculation.Drafting) else c for c in checked]
-        return [_answer(c, *next(drafted)) if isinstance(c, speculation.Drafting) else c for c in checked]
-
-    def _prepare(self, call: convert.ProposeCall) -> speculation.Drafting | Exception:
-        try:
-            position = self.sync_session(call.session_id, call.sync)
-            ahead = self._ahead.pop(call.session_id, None)
-            draft = speculation.DraftCall(call.session_id, position, call.k, call.params, ahead)
-            return speculation.prepare_draft(self.engine, draft)
-        except Exception as error:
-            return error
+    def _prepare(self, call: convert.ProposeCall) -> speculation.Drafting:
+        position = self.sync_session(call.session_id, call.sync)
+        ahead = self._ahead.pop(call.session_id, None)
+        draft = speculation.DraftCall(call.session_id, position, call.k, call.params, ahead)
+        return speculation.prepare_draft(self.engine, draft)
 
     def sync_session(self, session_id: str, sync: SyncPoint) -> int:
         """Drafts made ahead that still extend the committed tokens stay; anything else syncs."""
@@ -114,8 +104,8 @@ class DraftServicer(ModelServicer, draft_pb2_grpc.DraftServiceServicer):
             log.debug("drafting ahead stopped for %s: %s", call.session_id, error)
 
 
-def _answer(drafting: speculation.Drafting, proposal: Proposal, reused: int) -> Outcome[Drafted]:
-    call = drafting.call
+def _answer(drafting: speculation.Drafting, drafted: tuple[Proposal, int]) -> Outcome[Drafted]:
+    call, (proposal, reused) = drafting.call, drafted
     return (proposal, reused, call.position), {"specd.k": call.K, "specd.position": call.position, "specd.reused": reused}
 
 

@@ -7,6 +7,8 @@ session as for eight. Each request is still synced, checked, traced and answered
 
 from __future__ import annotations
 
+from functools import partial
+
 import grpc
 
 from specd import speculation
@@ -23,7 +25,9 @@ from services.target import convert
 class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
     def __init__(self, engine: ModelEngine, name: str, worker: EngineWorker, max_batch: int = DEFAULT_MAX_BATCH):
         super().__init__(engine, name, worker)
-        self.batcher = self.make_batcher(self._run, _span_name, max_batch)
+        self.batcher = self.make_batcher(
+            self._prepare, partial(speculation.verify_batch, engine), self._answer, _span_name, max_batch
+        )
 
     @grpc_errors
     async def Verify(self, request: target_pb2.VerifyRequest, context: grpc.aio.ServicerContext):
@@ -45,23 +49,9 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
         verdict, position = done.result
         return VerifyReply(verdict, position, self.engine.instance_id, done.compute_s)
 
-    def _run(self, calls: list[convert.VerifyCall]) -> list[Outcome[tuple[Verdict, int]]]:
-        """Worker thread: sync and check each request alone (its error is its own), then verify the
-        rest in one pass."""
-        checked = [self._prepare(call) for call in calls]
-        ready = [c for c in checked if isinstance(c, speculation.Verification)]
-        try:
-            verdicts = iter(speculation.verify_batch(self.engine, ready))
-        except Exception as error:  # the pass itself failed: every request in it fails
-            return [error if isinstance(c, speculation.Verification) else c for c in checked]
-        return [self._answer(c, next(verdicts)) if isinstance(c, speculation.Verification) else c for c in checked]
-
-    def _prepare(self, call: convert.VerifyCall) -> speculation.Verification | Exception:
-        try:
-            self.sync_session(call.session_id, call.sync)
-            return speculation.prepare_verification(self.engine, call.session_id, call.proposal, call.params)
-        except Exception as error:
-            return error
+    def _prepare(self, call: convert.VerifyCall) -> speculation.Verification:
+        self.sync_session(call.session_id, call.sync)
+        return speculation.prepare_verification(self.engine, call.session_id, call.proposal, call.params)
 
     def _answer(self, verification: speculation.Verification, verdict: Verdict) -> Outcome[tuple[Verdict, int]]:
         attributes = {"specd.k": len(verification.proposal.tokens), "specd.position": verification.position,
