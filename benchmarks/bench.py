@@ -233,10 +233,14 @@ def prefill_probes(stub, prompt: Prompt) -> dict[str, float]:
     return {"target_s": target.stats["verify_compute_s"], "draft_s": draft.stats["draft_compute_s"]}
 
 
-def service_runs(stub, cfg: BenchConfig, prompts: list[Prompt], bar) -> tuple[list[Measured], dict]:
-    # First calls pay for allocations; the adaptive warm-up leaves the deployment timings to inherit.
+def warm_up(stub, prompt: Prompt) -> None:
+    """First calls pay for allocations; the adaptive warm-up leaves the deployment timings to inherit."""
     for fields in ({}, {"speculation": False}):
-        stream(stub, "warmup", prompts[0], 16, **fields)
+        stream(stub, "warmup", prompt, 16, **fields)
+
+
+def service_runs(stub, cfg: BenchConfig, prompts: list[Prompt], bar) -> tuple[list[Measured], dict]:
+    warm_up(stub, prompts[0])
     runs, probes = [], {}
     for prompt in prompts:
         probes[prompt.name] = prefill_probes(stub, prompt)

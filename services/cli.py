@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -48,6 +49,8 @@ def main(argv: list[str] | None = None) -> None:
     settings.add(up, "--draft-threads", type=int, help="torch threads of the draft service")
     settings.add(up, "--draft-quantize", default="int8", help="int8 | none: the draft's weights (never the target's)")
     settings.add(up, "--target-threads", type=int, help="torch threads of the target service")
+    settings.add(up, "--core-turns", default="on", choices=("on", "off"),
+                 help="on | off: draft and target take turns at this machine's cores instead of oversubscribing them")
     settings.add(up, "--default-k", type=int, default=4, help="draft tokens per round")
     settings.add(up, "--pipeline", default="off", help="off | on | auto: draft ahead while the target verifies")
     settings.add(up, "--inject-rtt-ms", type=float, default=0.0, help="benchmarks: delay every model-service call")
@@ -129,7 +132,11 @@ def cmd_up(args: argparse.Namespace) -> int:
         redis_url = args.redis_url or stack.enter_context(LocalRedis(appendonly=True)).url
         if args.tracing:
             _start_tracing(stack)
-        return _run_services(args, paths, redis_url)
+        cores_lock = None
+        if args.core_turns == "on":
+            # Both model services open this file and take turns at the cores by locking it (services/common/worker.py).
+            cores_lock = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="specd-"))) / "cores.lock"
+        return _run_services(args, paths, redis_url, cores_lock)
 
 
 def _start_tracing(stack: contextlib.ExitStack) -> None:
@@ -139,7 +146,7 @@ def _start_tracing(stack: contextlib.ExitStack) -> None:
     print(f"tracing: Phoenix UI at {phoenix.url} (project {PROJECT})", flush=True)
 
 
-def _run_services(args: argparse.Namespace, paths: dict[str, Path], redis_url: str) -> int:
+def _run_services(args: argparse.Namespace, paths: dict[str, Path], redis_url: str, cores_lock: Path | None) -> int:
     addr = {role: f"{args.host}:{getattr(args, role + '_port')}" for role in PORTS}
     commands = {
         "draft": [
@@ -156,6 +163,9 @@ def _run_services(args: argparse.Namespace, paths: dict[str, Path], redis_url: s
     }
     for role in METRICS_PORTS:
         commands[role] += ["--metrics-port", str(getattr(args, f"{role}_metrics_port"))]
+    if cores_lock:
+        for role in ("draft", "target"):
+            commands[role] += ["--cores-lock", str(cores_lock)]
     commands["coordinator"] += ["--http-port", str(args.http_port)]
     if args.api_keys_file:
         commands["coordinator"] += ["--api-keys-file", str(args.api_keys_file)]

@@ -35,6 +35,11 @@ def padded_rows(rows: int) -> int:
     return rows if rows <= 8 else -(-rows // 8) * 8
 
 
+def row_blocks(max_rows: int) -> tuple[int, ...]:
+    """The row counts `padded_rows` runs 1..max_rows rows at: what a verification of K + 1 rows costs."""
+    return tuple(sorted({padded_rows(rows) for rows in range(1, max_rows + 1)}))
+
+
 def _small_rows_linear(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     rows, features = x.numel() // x.shape[-1], x.shape[-1]
     if rows > SMALL_ROWS:

@@ -11,7 +11,11 @@ each accepted with probability α, and the target verifies them in one forward p
     predicted speedup  S(K)    = (E(α, K) / T(K)) / (1 / T_plain)
 
 verify(K) is the target's compute for K drafts (K + 1 positions); it is measured per K and
-linearly interpolated between measured K (see `verify_time`).
+linearly interpolated between measured K (see `verify_time`). A target that pads its passes to
+row blocks (the CPU kernels run 3 rows as 4 and 9-15 as 16, specd/kernels.py; a GPU runs its
+captured batch sizes) verifies every K whose K + 1 rows pad to the same block at one cost: given
+the blocks (`PolicyConfig.row_blocks`), one measurement prices the whole block, keyed by its
+largest K. On the real pair K = 3 (four rows) costs what K = 2 does, and both about a plain step.
 
 The policy runs in two modes. *Speculative*: K = argmax S(K) over 1..max_k, and fall back to
 plain decoding when max S < off_below. *Plain*: K = 0, except a probe round every
@@ -78,6 +82,7 @@ class PolicyConfig:
     smoothing: float = 0.3  # EWMA weight of a new observation (timings)
     alpha_window: int = 16  # rounds of evidence behind α (its counts decay by 1 - 1/alpha_window a round)
     pipeline: str = "off"  # draft ahead while the target verifies: off | on | auto (the cost model decides)
+    row_blocks: tuple[int, ...] = ()  # row counts the target computes verifications at, ascending; () = as fed
 
     def validate(self) -> None:
         validate_that(self.max_k >= 1, f"max_k must be >= 1, got {self.max_k}")
@@ -90,6 +95,15 @@ class PolicyConfig:
         validate_that(
             self.pipeline in PIPELINE_MODES, f"pipeline must be one of {PIPELINE_MODES}, got {self.pipeline!r}"
         )
+        validate_that(
+            list(self.row_blocks) == sorted(set(self.row_blocks)) and all(b >= 1 for b in self.row_blocks),
+            f"row_blocks must be ascending positive row counts, got {self.row_blocks}",
+        )
+
+    def cost_k(self, k: int) -> int:
+        """The K whose verification costs what K drafts' does: the largest K whose K + 1 rows the
+        target pads to the same row block (K itself when it does not pad them)."""
+        return next((block - 1 for block in self.row_blocks if block >= k + 1), k)
 
 
 @dataclass(frozen=True)
@@ -161,11 +175,13 @@ def expected_tokens(alpha: float, k: int) -> float:
     return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
-def verify_time(est: Estimates, k: int) -> float | None:
-    """Target compute for a round with K drafts: the measurement when K was measured, else a
-    least-squares line through the measured K (slope >= 0: more positions never cost less),
-    or PRIOR_SLOPE through a single point. Never below what a batched pass can cost: K + 1
-    positions at once cost at most K + 1 times one position. None when nothing is measured."""
+def verify_time(est: Estimates, k: int, config: PolicyConfig = PolicyConfig()) -> float | None:
+    """Target compute for a round with K drafts: the measurement when K (or a K of its row block)
+    was measured, else a least-squares line through the measured K (slope >= 0: more positions
+    never cost less), or PRIOR_SLOPE through a single point. Never below what a batched pass can
+    cost: K + 1 positions at once cost at most K + 1 times one position. None when nothing is
+    measured."""
+    k = config.cost_k(k)
     points = dict(est.verify_s)
     if k in points:
         return points[k]
@@ -198,18 +214,18 @@ def is_measured(est: Estimates) -> bool:
     return est.draft_step_s is not None and len(measured_k) >= (1 if has_plain else 2)
 
 
-def predicted_speedup(est: Estimates, k: int) -> float:
+def predicted_speedup(est: Estimates, k: int, config: PolicyConfig = PolicyConfig()) -> float:
     """S(K) of the module docstring: plain rounds per second of speculative work. Needs
     `is_measured(est)`."""
-    plain_s = verify_time(est, 0)
+    plain_s = verify_time(est, 0, config)
     if est.draft_step_s is None or plain_s is None:
         raise ValueError("predicted_speedup needs the draft step and a verify time measured")
-    return expected_tokens(est.alpha, k) * (plain_s + est.rtt_s) / round_time(est, k)
+    return expected_tokens(est.alpha, k) * (plain_s + est.rtt_s) / round_time(est, k, config)
 
 
-def round_time(est: Estimates, k: int) -> float:
+def round_time(est: Estimates, k: int, config: PolicyConfig = PolicyConfig()) -> float:
     """T(K) of the module docstring: one synchronous round with K drafts. Needs `is_measured(est)`."""
-    return k * est.draft_step_s + verify_time(est, k) + 2 * est.rtt_s
+    return k * est.draft_step_s + verify_time(est, k, config) + 2 * est.rtt_s
 
 
 def best_k(est: Estimates, config: PolicyConfig) -> tuple[int, float]:
@@ -218,7 +234,7 @@ def best_k(est: Estimates, config: PolicyConfig) -> tuple[int, float]:
     if not is_measured(est):
         return _start_k(config), math.nan
     candidates = range(1, config.max_k + 1) if config.adaptive else (_start_k(config),)
-    return max(((k, predicted_speedup(est, k)) for k in candidates), key=lambda ks: (ks[1], -ks[0]))
+    return max(((k, predicted_speedup(est, k, config)) for k in candidates), key=lambda ks: (ks[1], -ks[0]))
 
 
 def should_fall_back(est: Estimates, config: PolicyConfig) -> bool:
@@ -243,7 +259,7 @@ def should_fall_back(est: Estimates, config: PolicyConfig) -> bool:
 
 def _hopeless(est: Estimates, config: PolicyConfig) -> bool:
     """Even with verification as cheap as a plain step, no K would pay."""
-    plain_s = verify_time(est, 0)
+    plain_s = verify_time(est, 0, config)
 
     def free_speedup(k: int) -> float:
         round_s = k * est.draft_step_s + plain_s + 2 * est.rtt_s
@@ -257,12 +273,18 @@ def _hopeless(est: Estimates, config: PolicyConfig) -> bool:
 
 def next_k(state: PolicyState, config: PolicyConfig) -> int:
     """K for the coming round; 0 = a plain step. Plain rounds: the calibration of a fresh
-    state (see the module docstring) and plain mode between probes."""
+    state (see the module docstring) and plain mode between probes. A session's first drafting
+    round drafts at most the default K: the deployment's K was learned on another text (15
+    drafts after code cost prose a second of its first token), and one round of this text's own
+    acceptance decides the next K."""
     if _calibrating(state):
         return 0
     if state.mode == PLAIN:
         return min(config.probe_k, config.max_k) if state.plain_rounds_until_probe <= 0 else 0
-    return _start_k(config) if not config.adaptive else min(max(state.k, 1), config.max_k)
+    if not config.adaptive:
+        return _start_k(config)
+    k = min(max(state.k, 1), config.max_k)
+    return min(k, _start_k(config)) if state.estimates.judged == 0 else k
 
 
 def lookahead(state: PolicyState, k: int, config: PolicyConfig) -> int:
@@ -304,15 +326,15 @@ def explore_k(est: Estimates, config: PolicyConfig, k: int, speedup: float) -> i
     if not config.adaptive or math.isnan(speedup):
         return k
     points = dict(est.verify_s)
-    plain_s = verify_time(est, 0)
+    plain_s = verify_time(est, 0, config)
 
     def optimistic(candidate: int) -> float:
         below = [km for km in points if km < candidate]
-        below_s = points[max(below)] if below else verify_time(est, candidate)
+        below_s = points[max(below)] if below else verify_time(est, candidate, config)
         round_s = candidate * est.draft_step_s + below_s + 2 * est.rtt_s
         return expected_tokens(est.alpha, candidate) * (plain_s + est.rtt_s) / round_s
 
-    unmeasured = [c for c in range(k + 1, config.max_k + 1) if c not in points]
+    unmeasured = [c for c in range(k + 1, config.max_k + 1) if config.cost_k(c) not in points]
     best = max(unmeasured, key=optimistic, default=None)
     return best if best is not None and optimistic(best) > speedup else k
 
@@ -379,11 +401,11 @@ def _learn(
     if obs.drafted_ahead:  # contended times: they measure pipelining, not the services alone
         if is_measured(est) and not (draft_cold or target_cold):
             wall_s = obs.draft_s + obs.verify_s + 2 * obs.rtt_s
-            ratio = _ewma(ratio, wall_s / round_time(est, obs.k), w if pipelined else 1.0)
+            ratio = _ewma(ratio, wall_s / round_time(est, obs.k, config), w if pipelined else 1.0)
             pipelined += 1
     else:
         if not target_cold:
-            verify_s = _learn_verify(est.verify_s, obs.k, obs.verify_s, w)
+            verify_s = _learn_verify(est.verify_s, config.cost_k(obs.k), obs.verify_s, w)
         rtt = obs.rtt_s if est.observations == 0 else _ewma(est.rtt_s, obs.rtt_s, w)
     return Estimates(
         alpha, draft_step, verify_s, rtt, est.observations + 1, accepted_count, tested_count, est.judged + judged,

@@ -36,7 +36,7 @@ from specd.speculation import (
     verify_proposal,
 )
 from specd.verify import Proposal
-from services.common.worker import Batcher, EngineWorker
+from services.common.worker import Batcher, EngineWorker, SharedCores
 from services.common import model_service
 from services.draft import convert as draft_convert
 from services.protogen.specd.v1 import coordinator_pb2, draft_pb2_grpc, target_pb2_grpc
@@ -138,6 +138,35 @@ def test_a_lone_call_does_not_wait_for_a_batch():
     finally:
         worker.close()
     assert (batcher.batches, batcher.largest) == (1, 1)
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_workers_sharing_cores_take_turns(tmp_path, shared):
+    """Two services' workers (each its own lock descriptor, as two processes have): with shared
+    cores the second one's model work starts only when the first one's turn ends."""
+    lock = tmp_path / "cores.lock"
+    workers = [EngineWorker(f"test-cores-{i}", SharedCores(lock) if shared else None) for i in range(2)]
+    events: list[str] = []
+    first_running = threading.Event()
+
+    def work(name: str) -> None:
+        events.append(f"{name} starts")
+        first_running.set()
+        time.sleep(0.3)
+        events.append(f"{name} ends")
+
+    async def main():
+        first = asyncio.ensure_future(workers[0].run(work, "draft"))
+        await asyncio.to_thread(first_running.wait)
+        await asyncio.gather(first, workers[1].run(work, "target"))
+
+    try:
+        asyncio.run(main())
+    finally:
+        for worker in workers:
+            worker.close()
+    in_turns = ["draft starts", "draft ends", "target starts", "target ends"]
+    assert (events == in_turns) is shared, events
 
 
 # -- real gRPC services --------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from services.common.metrics import serve_metrics
 from services.common.model_service import ModelServicer
 from services.common.server import run_until_signalled, start_server
 from services.common.telemetry import setup_tracing
-from services.common.worker import DEFAULT_MAX_BATCH
+from services.common.worker import DEFAULT_MAX_BATCH, SharedCores
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +30,8 @@ def parse(role: str, default_port: int, argv: list[str] | None) -> argparse.Name
     settings.add(parser, "--max-sessions", type=int, default=64, help="KV caches kept; idle ones are evicted LRU")
     settings.add(parser, "--quantize", default="none", help="none | int8 (CPU; for a draft only: it changes numerics)")
     settings.add(parser, "--metrics-port", type=int, default=0, help="serve Prometheus /metrics on this port (0: off)")
+    settings.add(parser, "--cores-lock", type=Path,
+                 help="a file every service on this host opens: they take turns at the cores (unset: no turns)")
     settings.add(parser, "--max-batch", type=int, default=DEFAULT_MAX_BATCH,
                  help=f"{'verifications' if role == 'target' else 'proposals'} that queued while the model was busy "
                       "share its passes, up to this many")
@@ -53,14 +55,16 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 def main(
     role: str,
     default_port: int,
-    make_servicer: Callable[[EngineConfig, argparse.Namespace], ModelServicer],
+    servicer_class: type[ModelServicer],
     register: Callable,
     argv: list[str] | None = None,
 ) -> None:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role} %(levelname)s %(message)s")
     args = parse(role, default_port, argv)
     setup_tracing(f"specd-{role}")
-    servicer = make_servicer(engine_config(args), args)  # loads the engine on its worker thread
+    cores = SharedCores(args.cores_lock) if args.cores_lock else None
+    # Loads the engine on its worker thread.
+    servicer = servicer_class.load(engine_config(args), role, cores=cores, max_batch=args.max_batch)
 
     async def serve() -> None:
         server, port = await start_server(register(servicer), f"{args.host}:{args.port}")

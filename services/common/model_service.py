@@ -18,7 +18,7 @@ from specd.loop import SyncPoint
 from services.common import convert
 from services.common.errors import grpc_errors
 from services.common.metrics import ModelMetrics
-from services.common.worker import Batcher, EngineWorker
+from services.common.worker import Batcher, EngineWorker, SharedCores
 from services.protogen.specd.v1 import common_pb2
 
 R = TypeVar("R")
@@ -56,9 +56,10 @@ class ModelServicer:
         self.metrics = ModelMetrics()
 
     @classmethod
-    def load(cls, config: EngineConfig, name: str, **kwargs) -> Self:
-        """Build the engine on a new worker thread and serve it from there (services/common/worker.py)."""
-        worker = EngineWorker(name)
+    def load(cls, config: EngineConfig, name: str, cores: SharedCores | None = None, **kwargs) -> Self:
+        """Build the engine on a new worker thread and serve it from there (services/common/worker.py),
+        taking turns at the host's cores with the other services that share `cores`."""
+        worker = EngineWorker(name, cores)
         return cls(worker.call(ModelEngine, config), name, worker, **kwargs)
 
     def make_batcher(

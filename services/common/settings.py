@@ -14,7 +14,9 @@ def env_name(flag: str) -> str:
     return "SPECD_" + flag.lstrip("-").replace("-", "_").upper()
 
 
-def add(parser: argparse.ArgumentParser, flag: str, *, type=str, default=None, help: str = "") -> None:
+def add(parser: argparse.ArgumentParser, flag: str, *, type=str, default=None, help: str = "", choices=None) -> None:
     raw = os.environ.get(env_name(flag))
     value = type(raw) if raw is not None else default
-    parser.add_argument(flag, type=type, default=value, help=f"{help} [env {env_name(flag)}; default {default}]")
+    parser.add_argument(
+        flag, type=type, default=value, choices=choices, help=f"{help} [env {env_name(flag)}; default {default}]"
+    )

@@ -7,12 +7,20 @@ the only one that ever runs torch: OpenMP keeps a thread pool per calling thread
 pools in one process (say, the model loaded on the main thread, run on the worker) make
 every forward 40-80 % slower on a small CPU (benchmarks/threads.py). Calls that can share a model pass queue up in a
 `Batcher` while the worker is busy and go through together.
+
+Services on one host share its cores. Two of them computing at once oversubscribe the cores
+(each torch pool sized for all of them, spinning while the other runs): under concurrent
+sessions a draft step took 10x its time alone. With `SharedCores` they take turns instead:
+each worker turn holds an exclusive lock on a file the services share.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
+import fcntl
+import os
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Generic, Hashable, TypeVar
@@ -22,21 +30,50 @@ R = TypeVar("R")
 DEFAULT_MAX_BATCH = 8
 
 
+class SharedCores:
+    """The cores of one host, taken in turns by the services on it: an exclusive `flock` on a
+    file they all open. Only the worker thread takes turns, so one descriptor per process does."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = path
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+
+    @contextlib.contextmanager
+    def turn(self):
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
 class EngineWorker:
-    def __init__(self, name: str):
+    def __init__(self, name: str, cores: SharedCores | None = None):
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        self._cores = cores
 
     def call(self, fn: Callable[..., T], *args) -> T:
         """Run fn on the worker thread and wait for it (setup: building the engine)."""
-        return self._executor.submit(fn, *args).result()
+        return self._executor.submit(self._in_turn, fn, *args).result()
 
     async def run(self, fn: Callable[..., T], *args) -> T:
         # The caller's context goes along, so spans started on the worker are children of the request's.
         context = contextvars.copy_context()
-        return await asyncio.get_running_loop().run_in_executor(self._executor, context.run, fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(self._executor, context.run, self._in_turn, fn, *args)
+
+    def _in_turn(self, fn: Callable[..., T], *args) -> T:
+        if self._cores is None:
+            return fn(*args)
+        with self._cores.turn():
+            return fn(*args)
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)
+        if self._cores is not None:
+            self._cores.close()
 
 
 class Batcher(Generic[T, R]):

@@ -7,6 +7,7 @@ import asyncio
 import logging
 from pathlib import Path
 
+from specd import kernels
 from specd.loop import Services
 from specd.policy import PIPELINE_MODES
 from services.common import settings
@@ -34,6 +35,19 @@ def pipeline_mode(value: str) -> str:
     return value
 
 
+def row_blocks(value: str) -> str | tuple[int, ...]:
+    """cpu (resolved against --max-k), none, or ascending row counts like 1,2,4,8,16."""
+    if value in ("cpu", "none"):
+        return value
+    try:
+        blocks = tuple(int(rows) for rows in value.split(","))
+    except ValueError:
+        blocks = ()
+    if not blocks or list(blocks) != sorted(set(blocks)) or blocks[0] < 1:
+        raise argparse.ArgumentTypeError(f"row blocks must be cpu, none or ascending row counts like 1,2,4,8; got {value!r}")
+    return blocks
+
+
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m services.coordinator", description="specd coordinator")
     settings.add(parser, "--model-dir", type=Path, help="the target's model directory (tokenizer, limits)")
@@ -47,6 +61,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     settings.add(parser, "--max-k", type=int, default=Limits.max_k, help="largest K a request may ask for")
     settings.add(parser, "--pipeline", type=pipeline_mode, default="off",
                  help="draft ahead while the target verifies: off, on, or auto (the cost model decides per session)")
+    settings.add(parser, "--verify-row-blocks", type=row_blocks, default="cpu",
+                 help="row counts the target pads a verification's K + 1 rows to, so K of one block cost the same: "
+                      "cpu (the CPU small-row kernels), none (a target that does not pad), or a list like 1,2,4,8,16")
     settings.add(parser, "--inject-rtt-ms", type=float, default=0.0,
                  help="benchmarks: add this round-trip delay to every model-service call")
     settings.add(parser, "--http-port", type=int, default=DEFAULT_HTTP_PORT, help="REST (OpenAI) port; -1: no REST")
@@ -62,9 +79,15 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def _row_blocks(args: argparse.Namespace) -> tuple[int, ...]:
+    if args.verify_row_blocks == "cpu":
+        return kernels.row_blocks(args.max_k + 1)
+    return () if args.verify_row_blocks == "none" else args.verify_row_blocks
+
+
 async def serve(args: argparse.Namespace) -> None:
     model = load_model_info(args.model_dir)
-    limits = Limits(default_k=args.default_k, max_k=args.max_k, pipeline=args.pipeline)
+    limits = Limits(default_k=args.default_k, max_k=args.max_k, pipeline=args.pipeline, row_blocks=_row_blocks(args))
     drafter, verifier = GrpcDrafter(args.draft_addr.split(",")), GrpcVerifier(args.target_addr.split(","))
     if args.inject_rtt_ms:
         rtt_s = args.inject_rtt_ms / 1e3

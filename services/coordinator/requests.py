@@ -27,6 +27,7 @@ class Limits:
     max_stop_strings: int = 8
     max_stop_chars: int = 128
     pipeline: str = "off"  # draft ahead while the target verifies: off | on | auto (specd.policy)
+    row_blocks: tuple[int, ...] = ()  # row counts the target pads verifications to (specd.policy)
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,9 @@ def generation_request(req: ClientRequest, model: ModelInfo, limits: Limits) -> 
         seed=req.seed if req.seed is not None else secrets.randbits(63),
     ).validate()
     rules = StopRules(max_tokens, req.stop, model.eos_token_ids, req.ignore_eos)
-    policy = PolicyConfig(max_k=max_k, default_k=min(limits.default_k, max_k), pipeline=limits.pipeline)
+    policy = PolicyConfig(
+        max_k=max_k, default_k=min(limits.default_k, max_k), pipeline=limits.pipeline, row_blocks=limits.row_blocks
+    )
     return GenerationRequest(tuple(prompt), rules, params, policy, fixed_k)
 
 

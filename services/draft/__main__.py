@@ -4,4 +4,4 @@ from services.draft.server import DraftServicer, register
 DEFAULT_PORT = 50052
 
 if __name__ == "__main__":
-    main("draft", DEFAULT_PORT, lambda config, args: DraftServicer.load(config, "draft", max_batch=args.max_batch), register)
+    main("draft", DEFAULT_PORT, DraftServicer, register)

@@ -4,4 +4,4 @@ from services.target.server import TargetServicer, register
 DEFAULT_PORT = 50053
 
 if __name__ == "__main__":
-    main("target", DEFAULT_PORT, lambda config, args: TargetServicer.load(config, "target", max_batch=args.max_batch), register)
+    main("target", DEFAULT_PORT, TargetServicer, register)

@@ -1,0 +1,70 @@
+"""Concurrent sessions on one host: the draft and target services taking turns at the cores
+(`specd up --core-turns on`, the default) vs both computing whenever they have work (off).
+
+On a small CPU both services' torch pools are sized for every core. Concurrent sessions keep
+both services busy at once, and then each pass runs against the other's threads. With turns,
+each pass has the cores to itself while the other service's work queues up (and batches).
+
+For each setting, one `specd up` on free ports; N adaptive greedy sessions one after another,
+then the same N at once (`benchmarks.bench.concurrency_runs`); aggregate tokens/s of each and
+their ratio. Every concurrent output must equal the same prompt's sequential output.
+
+    .venv/bin/python -m benchmarks.concurrency [--sessions 8] [--tokens 64]
+
+Writes benchmarks/results/concurrency.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from tqdm import tqdm
+
+from benchmarks.bench import (
+    BenchConfig, LosslessViolation, _model_dirs, concurrency_runs, load_prompts, mismatches, warm_up,
+)
+from benchmarks.common import machine, specd_up, write
+
+SETTINGS = ("off", "on")
+
+
+def measure(turns: str, cfg: BenchConfig, prompts, draft_dir, target_dir) -> dict:
+    flags = ("--core-turns", turns, "--draft-model-dir", str(draft_dir), "--target-model-dir", str(target_dir))
+    with specd_up(*flags) as stub, tqdm(total=2 * cfg.concurrency, unit="req", desc=f"turns {turns}") as bar:
+        warm_up(stub, prompts[0])
+        scaling = concurrency_runs(stub, cfg, prompts, bar)
+    runs = scaling.pop("runs")
+    sequential = {r.prompt: r.output for r in runs if r.config == "sequential"}
+    scaling["mismatches"] = mismatches(sequential, [r for r in runs if r.config == "concurrent"])
+    scaling["concurrent_rounds"] = sum(r.stats["rounds"] for r in runs if r.config == "concurrent")
+    scaling["concurrent_fallbacks"] = sum(r.stats["fallbacks"] for r in runs if r.config == "concurrent")
+    return scaling
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.concurrency", description=__doc__.splitlines()[0])
+    parser.add_argument("--sessions", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=64)
+    args = parser.parse_args(argv)
+    cfg = BenchConfig(tokens=args.tokens, concurrency=args.sessions, prompts_per_class=3)
+    draft_dir, target_dir = _model_dirs(cfg)
+    prompts = load_prompts(target_dir, cfg.prompts_per_class)
+    by_setting = {turns: measure(turns, cfg, prompts, draft_dir, target_dir) for turns in SETTINGS}
+    result = {
+        "benchmark": "concurrency", "machine": machine(), "sessions": args.sessions, "tokens": args.tokens,
+        "prompts": [p.name for p in prompts][: args.sessions],
+        "core_turns": by_setting,
+        "ratio_on_over_off": round(by_setting["on"]["concurrent_tokens_per_s"]
+                                   / by_setting["off"]["concurrent_tokens_per_s"], 3),
+    }
+    print(json.dumps(result, indent=2))
+    write("concurrency", result)
+    if problems := [p for s in by_setting.values() for p in s["mismatches"]]:
+        raise LosslessViolation("LOSSLESS VIOLATION: " + "; ".join(problems))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
