@@ -585,8 +585,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--draft-threads", type=int, help="torch threads of the draft service (default: all cores)")
     parser.add_argument("--target-threads", type=int, help="torch threads of the target service (default: all cores)")
     parser.add_argument("--pipeline", default="off", help="off | on | auto: the services' pipelined drafting")
+    parser.add_argument("--core-turns", default="on", choices=("on", "off"),
+                        help="the draft and target services take turns at the cores (specd up's default)")
     args = parser.parse_args(argv)
-    up_flags = ("--pipeline", args.pipeline) + tuple(
+    up_flags = ("--pipeline", args.pipeline, "--core-turns", args.core_turns) + tuple(
         arg for role in ("draft", "target") if getattr(args, f"{role}_threads")
         for arg in (f"--{role}-threads", str(getattr(args, f"{role}_threads")))
     )
