@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from specd import kernels
 from specd.policy import (
     PLAIN,
     SPECULATIVE,
@@ -450,3 +451,7 @@ def test_on_a_padding_target_rounds_settle_on_block_ends(alpha, block_ends):
         state = observe(state, padded_round(k, draw_accepted(rng, alpha, k)), config)
         ks.append(k)
     assert set(ks[-30:]) <= block_ends and state.fallbacks == 0, ks
+
+
+def test_the_blocks_above_are_the_cpu_kernels_padding():
+    assert kernels.row_blocks(17) == BLOCKS

@@ -14,9 +14,11 @@ import dataclasses
 import grpc
 import pytest
 
+from specd import kernels
 from specd.loop import Chunk, GenerationRequest, RoundRecord, Services, generate
 from specd.sampling import SamplingParams
 from specd.stopping import StopRules
+from services.coordinator.__main__ import _row_blocks, parse
 from services.coordinator.store import RedisSessionStore
 from services.draft.client import GrpcDrafter
 from services.protogen.specd.v1 import common_pb2, coordinator_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
@@ -320,3 +322,15 @@ def _useless_run(c: Cluster):
     finally:
         c.close()
     return reply, summary
+
+
+def test_the_coordinator_resolves_its_row_blocks_setting(capsys):
+    base = ["--model-dir", "m", "--redis-url", "redis://127.0.0.1:1/0"]
+    assert _row_blocks(parse(base)) == kernels.row_blocks(17)  # cpu, for the default max K of 16
+    assert _row_blocks(parse(base + ["--max-k", "8"])) == kernels.row_blocks(9)
+    assert _row_blocks(parse(base + ["--verify-row-blocks", "none"])) == ()
+    assert _row_blocks(parse(base + ["--verify-row-blocks", "1,2,4,8"])) == (1, 2, 4, 8)
+    for bad in ("4,2", "0,1", "cpu8", ""):
+        with pytest.raises(SystemExit):
+            parse(base + ["--verify-row-blocks", bad])
+        assert "row blocks must be" in capsys.readouterr().err
