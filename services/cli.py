@@ -20,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services.common import settings
 from services.common.phoenix import PROJECT, LocalPhoenix
 from services.common.redis_server import LocalRedis
+from services.common.worker import DEFAULT_MAX_BATCH
 from services.protogen.specd.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 PORTS = {"coordinator": 50051, "draft": 50052, "target": 50053}
@@ -48,6 +49,8 @@ def main(argv: list[str] | None = None) -> None:
         settings.add(up, f"--{role}-metrics-port", type=int, default=port, help=f"{role} /metrics port (0: off)")
     settings.add(up, "--draft-threads", type=int, help="torch threads of the draft service")
     settings.add(up, "--draft-quantize", default="int8", help="int8 | none: the draft's weights (never the target's)")
+    settings.add(up, "--draft-max-batch", type=int, default=DEFAULT_MAX_BATCH,
+                 help="proposals that queued while the draft was busy share its drafting steps, up to this many")
     settings.add(up, "--target-threads", type=int, help="torch threads of the target service")
     settings.add(up, "--core-turns", default="on", choices=("on", "off"),
                  help="on | off: draft and target take turns at this machine's cores instead of oversubscribing them")
@@ -151,7 +154,7 @@ def _run_services(args: argparse.Namespace, paths: dict[str, Path], redis_url: s
     commands = {
         "draft": [
             *_model_service("draft", paths["draft"], args.host, args.draft_port, args.draft_threads),
-            *("--quantize", args.draft_quantize),
+            *("--quantize", args.draft_quantize, "--max-batch", str(args.draft_max_batch)),
         ],
         "target": _model_service("target", paths["target"], args.host, args.target_port, args.target_threads),
         "coordinator": [
