@@ -35,7 +35,6 @@ class SharedCores:
     file they all open. Only the worker thread takes turns, so one descriptor per process does."""
 
     def __init__(self, path: str | os.PathLike):
-        self.path = path
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
 
     @contextlib.contextmanager

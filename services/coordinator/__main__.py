@@ -9,7 +9,7 @@ from pathlib import Path
 
 from specd import kernels
 from specd.loop import Services
-from specd.policy import PIPELINE_MODES
+from specd.policy import PIPELINE_MODES, PolicyConfig
 from services.common import settings
 from services.common.client import NetworkDelay
 from services.common.metrics import serve_metrics
@@ -41,9 +41,8 @@ def row_blocks(value: str) -> str | tuple[int, ...]:
         return value
     try:
         blocks = tuple(int(rows) for rows in value.split(","))
+        PolicyConfig(row_blocks=blocks).validate()  # ascending, positive
     except ValueError:
-        blocks = ()
-    if not blocks or list(blocks) != sorted(set(blocks)) or blocks[0] < 1:
         raise argparse.ArgumentTypeError(f"row blocks must be cpu, none or ascending row counts like 1,2,4,8; got {value!r}")
     return blocks
 
