@@ -587,8 +587,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pipeline", default="off", help="off | on | auto: the services' pipelined drafting")
     parser.add_argument("--core-turns", default="on", choices=("on", "off"),
                         help="the draft and target services take turns at the cores (specd up's default)")
+    parser.add_argument("--draft-confidence", help="adaptive K's confidence stop (default: the coordinator's)")
     args = parser.parse_args(argv)
     up_flags = ("--pipeline", args.pipeline, "--core-turns", args.core_turns) + tuple(
+        ("--draft-confidence", args.draft_confidence) if args.draft_confidence is not None else ()
+    ) + tuple(
         arg for role in ("draft", "target") if getattr(args, f"{role}_threads")
         for arg in (f"--{role}-threads", str(getattr(args, f"{role}_threads")))
     )

@@ -55,6 +55,8 @@ def main(argv: list[str] | None = None) -> None:
     settings.add(up, "--core-turns", default="on", choices=("on", "off"),
                  help="on | off: draft and target take turns at this machine's cores instead of oversubscribing them")
     settings.add(up, "--default-k", type=int, default=4, help="draft tokens per round")
+    settings.add(up, "--draft-confidence", help="adaptive K: the draft stops after a token it gave a probability "
+                 "below this (0: off; default: the coordinator's)")
     settings.add(up, "--pipeline", default="off", help="off | on | auto: draft ahead while the target verifies")
     settings.add(up, "--inject-rtt-ms", type=float, default=0.0, help="benchmarks: delay every model-service call")
     settings.add(up, "--redis-url", help="session store; default: start a local redis-server")
@@ -172,6 +174,8 @@ def _run_services(args: argparse.Namespace, paths: dict[str, Path], redis_url: s
     commands["coordinator"] += ["--http-port", str(args.http_port)]
     if args.api_keys_file:
         commands["coordinator"] += ["--api-keys-file", str(args.api_keys_file)]
+    if args.draft_confidence is not None:
+        commands["coordinator"] += ["--draft-confidence", args.draft_confidence]
     procs = {role: subprocess.Popen([sys.executable, *cmd]) for role, cmd in commands.items()}
     stopping = False
 

@@ -115,9 +115,10 @@ class RayDrafter(_Handle):
         super().__init__(handle, "propose")
 
     async def propose(
-        self, session_id: str, sync: SyncPoint, k: int, params: SamplingParams, lookahead: int = 0
+        self, session_id: str, sync: SyncPoint, k: int, params: SamplingParams, lookahead: int = 0,
+        min_confidence: float = 0.0,
     ) -> DraftReply:
-        return await self._call(ProposeCall(session_id, sync, k, params, lookahead))
+        return await self._call(ProposeCall(session_id, sync, k, params, lookahead, min_confidence))
 
 
 class RayVerifier(_Handle):

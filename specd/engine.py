@@ -189,12 +189,16 @@ class ModelEngine:
         return out.logits[0].float().cpu()  # [len(extra) + 1, vocab]
 
     @torch.inference_mode()
-    def forward_many(self, requests: Sequence[tuple[str, Sequence[int]]]) -> list[torch.Tensor]:
+    def forward_many(
+        self, requests: Sequence[tuple[str, Sequence[int]]], newest_only: bool = False
+    ) -> list[torch.Tensor]:
         """`forward(session_id, extra)` for several sessions in ONE model pass (specd/ragged.py).
 
         Each result is what `forward` returns for that session alone, up to matmul rounding
         (bit-identical for a batch of one). Every request is checked before any work, so a refused
-        one leaves all sessions untouched.
+        one leaves all sessions untouched. newest_only: return only the last row ([1, vocab], after
+        the newest token), so a session whose cache already holds every token feeds just `extra`
+        (drafting one token at a time then feeds one row a step, not two).
         """
         if not requests:
             return []
@@ -203,12 +207,11 @@ class ModelEngine:
             raise ValueError("a batch holds each session at most once")
         for session_id, extra in requests:
             self.check_forward(session_id, extra)
-        prepared = [self._prepare(session_id, extra) for session_id, extra in requests]
+        prepared = [self._prepare(session_id, extra, refeed=not newest_only) for session_id, extra in requests]
         sessions = [session for session, _ in prepared]
+        keep = [1 if newest_only else len(extra) + 1 for _, extra in requests]
         try:
-            logits = ragged.forward(
-                self.model, [s.cache for s in sessions], [new for _, new in prepared], [len(e) + 1 for _, e in requests]
-            )
+            logits = ragged.forward(self.model, [s.cache for s in sessions], [new for _, new in prepared], keep)
         except BaseException:
             self._reset_caches(sessions)
             raise
@@ -241,15 +244,17 @@ class ModelEngine:
         session.last_used = time.monotonic()
         return session
 
-    def _prepare(self, session_id: str, extra: Sequence[int]) -> tuple[_Session, list[int]]:
-        """Check a forward, then return the session and the tokens to feed: pending ones, then extra."""
+    def _prepare(self, session_id: str, extra: Sequence[int], refeed: bool = True) -> tuple[_Session, list[int]]:
+        """Check a forward, then return the session and the tokens to feed: pending ones, then extra.
+        refeed: the row after the last held token is wanted, so with nothing pending the last token
+        is fed again (its logits are not kept); a forward with no extra always needs that row."""
         if threading.get_ident() != self._thread:
             raise WrongThread("run the engine on the thread that built it (EngineWorker.call, ModelServicer.load)")
         self.check_forward(session_id, extra)
         session = self._touch(session_id)
-        _crop(session.cache, len(session.tokens) - 1)  # nothing pending: re-feed the last token
+        _crop(session.cache, len(session.tokens) - (1 if refeed or not extra else 0))
         kv = session.cache.get_seq_length()
-        return session, session.tokens[kv:] + list(extra)  # [>= 1 + len(extra)]
+        return session, session.tokens[kv:] + list(extra)  # [>= max(1, len(extra))]
 
     def _reset_caches(self, sessions: Sequence[_Session]) -> None:
         # An interrupted call may have extended some layers' caches but not others; the

@@ -44,6 +44,7 @@ class DraftReply:
     instance_id: str = ""
     compute_s: float = 0.0
     reused: int = 0  # leading drafts made ahead during the previous round (not in compute_s)
+    queued_s: float = 0.0  # waited for the model before the pass began: load, not the network
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,7 @@ class VerifyReply:
     position: int  # the target's committed length after this round
     instance_id: str = ""
     compute_s: float = 0.0
+    queued_s: float = 0.0  # waited for the model before the pass began: load, not the network
 
 
 class StaleSession(Exception):
@@ -64,9 +66,11 @@ class StaleSession(Exception):
 
 class Drafter(Protocol):
     async def propose(
-        self, session_id: str, sync: SyncPoint, k: int, params: SamplingParams, lookahead: int = 0
+        self, session_id: str, sync: SyncPoint, k: int, params: SamplingParams, lookahead: int = 0,
+        min_confidence: float = 0.0,
     ) -> DraftReply:
-        """Draft k tokens; then, when lookahead > 0, go on drafting that many past them while
+        """Draft k tokens (fewer with a confidence stop: after one the draft gave probability
+        < min_confidence); then, when lookahead > 0, go on drafting that many past them while
         the target verifies (pipelining: the next call takes those still on the committed path)."""
 
     async def release(self, session_id: str) -> None: ...
@@ -174,11 +178,12 @@ async def generate(
                 drafting = None
                 ahead = lookahead(state.policy, k, request.policy)
                 if k > 0:
-                    drafting = await _call(
-                        draft, committed, lambda s: services.drafter.propose(session_id, s, k, request.params, ahead)
-                    )
+                    drafting = await _call(draft, committed, lambda s: services.drafter.propose(
+                        session_id, s, k, request.params, ahead, _min_confidence(request)
+                    ))
                 drafted: DraftReply | None = drafting and drafting.reply
                 proposal = drafted.proposal if drafted else EMPTY_PROPOSAL
+                k = len(proposal.tokens)  # a confidence stop may have drafted fewer
                 # 2. verify
                 verifying = await _call(
                     target, committed, lambda s: services.verifier.verify(session_id, s, proposal, request.params)
@@ -253,6 +258,11 @@ def _choose_k(request: GenerationRequest, policy: PolicyState) -> int:
     return request.fixed_k if request.fixed_k is not None else next_k(policy, request.policy)
 
 
+def _min_confidence(request: GenerationRequest) -> float:
+    """A pinned K drafts exactly K; adaptive K is a cap the draft's confidence may cut short."""
+    return 0.0 if request.fixed_k is not None else request.policy.min_confidence
+
+
 def _apply_stop_rules(checker: StopChecker, tokens: Sequence[int]) -> tuple[tuple[int, ...], str]:
     """Push tokens one by one; the ones after a stop condition are never committed."""
     emitted, text = [], ""
@@ -277,7 +287,9 @@ class _Called:
 
     @property
     def overhead_s(self) -> float:
-        return max(0.0, self.wall_s - self.reply.compute_s)
+        """The call's cost beyond the model: network, serialisation, the service's own work. Time
+        queued behind other sessions is load, which a plain step would wait through as well."""
+        return max(0.0, self.wall_s - self.reply.compute_s - self.reply.queued_s)
 
 
 def _observation(

@@ -83,6 +83,7 @@ class PolicyConfig:
     alpha_window: int = 16  # rounds of evidence behind α (its counts decay by 1 - 1/alpha_window a round)
     pipeline: str = "off"  # draft ahead while the target verifies: off | on | auto (the cost model decides)
     row_blocks: tuple[int, ...] = ()  # row counts the target computes verifications at, ascending; () = as fed
+    min_confidence: float = 0.0  # confidence stop: drafting ends after a draft with q(token) below this
 
     def validate(self) -> None:
         validate_that(self.max_k >= 1, f"max_k must be >= 1, got {self.max_k}")
@@ -99,6 +100,7 @@ class PolicyConfig:
             list(self.row_blocks) == sorted(set(self.row_blocks)) and all(b >= 1 for b in self.row_blocks),
             f"row_blocks must be ascending positive row counts, got {self.row_blocks}",
         )
+        validate_that(0.0 <= self.min_confidence < 1.0, f"min_confidence must be in [0, 1), got {self.min_confidence}")
 
     def cost_k(self, k: int) -> int:
         """The K whose verification costs what K drafts' does: the largest K whose K + 1 rows the

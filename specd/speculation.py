@@ -37,9 +37,12 @@ if TYPE_CHECKING:
 DRAFT_STREAM, ACCEPT_STREAM, SAMPLE_STREAM = "draft", "accept", "sample"
 
 
-def propose(engine: "ModelEngine", session_id: str, K: int, params: SamplingParams) -> Proposal:
-    """Draft K tokens after the session's current tokens (already synced to the committed ones)."""
-    return _draft(engine, [(session_id, K, params)])[0]
+def propose(
+    engine: "ModelEngine", session_id: str, K: int, params: SamplingParams, min_confidence: float = 0.0
+) -> Proposal:
+    """Draft up to K tokens after the session's current tokens (already synced to the committed
+    ones); drafting stops early after a token the draft gave probability < min_confidence."""
+    return _draft(engine, [_DraftRequest(session_id, K, params, min_confidence)])[0]
 
 
 @dataclass
@@ -78,6 +81,7 @@ class DraftCall:
     K: int
     params: SamplingParams
     ahead: Ahead | None = None  # what the session drafted ahead after its last proposal
+    min_confidence: float = 0.0  # stop drafting after a token the draft gave a lower probability
 
 
 @dataclass(frozen=True)
@@ -107,7 +111,10 @@ def prepare_draft(engine: "ModelEngine", call: DraftCall) -> Drafting:
 def draft_batch(engine: "ModelEngine", draftings: Sequence[Drafting]) -> list[tuple[Proposal, int]]:
     """Each session's K drafts, the ones made ahead first; (proposal, reused) per session. Every
     drafting step is ONE model pass over all the sessions still drafting."""
-    fresh = _draft(engine, [(d.call.session_id, d.call.K - len(d.held.tokens), d.call.params) for d in draftings])
+    fresh = _draft(engine, [
+        _DraftRequest(d.call.session_id, d.call.K - len(d.held.tokens), d.call.params, d.call.min_confidence)
+        for d in draftings
+    ])
     return [(Proposal(d.held.tokens + new.tokens, d.held.q + new.q), len(d.held.tokens))
             for d, new in zip(draftings, fresh)]
 
@@ -117,31 +124,58 @@ def propose_after(engine: "ModelEngine", call: DraftCall) -> tuple[Proposal, int
     return draft_batch(engine, [prepare_draft(engine, call)])[0]
 
 
-def _draft(engine: "ModelEngine", requests: Sequence[tuple[str, int, SamplingParams]]) -> list[Proposal]:
-    """(session, K, params) -> K drafts after the session's current tokens; step i is one pass over
-    the sessions with K > i. A pass holding one session is the plain one-session forward."""
-    starts = [engine.position(session_id) for session_id, _, _ in requests]
-    u = [uniforms(params.seed, DRAFT_STREAM, range(n, n + K)) if not params.greedy else []
-         for (_, K, params), n in zip(requests, starts)]
+@dataclass(frozen=True)
+class _DraftRequest:
+    session_id: str
+    K: int  # at most this many drafts
+    params: SamplingParams
+    min_confidence: float = 0.0
+
+
+def _draft(engine: "ModelEngine", requests: Sequence[_DraftRequest]) -> list[Proposal]:
+    """Up to K drafts per session after its current tokens; step i is one pass over the sessions
+    still drafting. A pass holding one session is the plain one-session forward.
+
+    Confidence stop (as transformers' assistant_confidence_threshold): a session stops after a
+    draft whose probability under the draft is below min_confidence, because the target will most
+    likely reject it and everything drafted after it. Lossless: where drafting stops depends only
+    on the drafts already made, and every draft is verified against the q it was sampled from."""
+    starts = [engine.position(r.session_id) for r in requests]
+    u = [uniforms(r.params.seed, DRAFT_STREAM, range(n, n + r.K)) if not r.params.greedy else []
+         for r, n in zip(requests, starts)]
     tokens: list[list[int]] = [[] for _ in requests]
     rows: list[list[sparse.SparseDist]] = [[] for _ in requests]
-    for i in range(max((K for _, K, _ in requests), default=0)):
-        drafting = [j for j, (_, K, _) in enumerate(requests) if i < K]
-        logits = engine.forward_many([(requests[j][0], tokens[j][-1:]) for j in drafting])
-        for j, rows_j in zip(drafting, logits):
-            last, params = rows_j[-1:], requests[j][2]  # [1, vocab]: after the newest token
-            if params.greedy:
-                tokens[j].append(int(last.argmax()))
-                continue
-            row = sparse.encode(warp(last, params)[0])
-            # Sample from the decoded row: it is exactly the q the target will verify against.
-            tokens[j].append(sample(sparse.decode(row, engine.vocab_size), u[j][i]))
-            rows[j].append(row)
+    drafting = [j for j, r in enumerate(requests) if r.K > 0]
+    while drafting:
+        logits = engine.forward_many([(requests[j].session_id, tokens[j][-1:]) for j in drafting], newest_only=True)
+        still = []
+        for j, last in zip(drafting, logits):  # last: [1, vocab], after the newest token
+            request, i = requests[j], len(tokens[j])
+            token, row, q_token = _next_draft(engine, request, last, u[j][i] if u[j] else 0.0)
+            tokens[j].append(token)
+            rows[j] += [row] if row is not None else []
+            if i + 1 < request.K and q_token >= request.min_confidence:
+                still.append(j)
+        drafting = still
     # The last draft is known but not yet fed; keep it so a full acceptance needs no resync.
-    for (session_id, K, _), n, drafted in zip(requests, starts, tokens):
+    for r, n, drafted in zip(requests, starts, tokens):
         if drafted:
-            engine.sync(session_id, n + K - 1, drafted[-1:])
+            engine.sync(r.session_id, n + len(drafted) - 1, drafted[-1:])
     return [Proposal(tuple(t), tuple(r)) for t, r in zip(tokens, rows)]
+
+
+def _next_draft(
+    engine: "ModelEngine", request: _DraftRequest, last: torch.Tensor, u: float
+) -> tuple[int, sparse.SparseDist | None, float]:
+    """The draft after `last` ([1, vocab] logits), its q row when sampled, and its probability
+    under the draft (1.0 when greedy and nobody asks)."""
+    if request.params.greedy:
+        token = int(last.argmax())
+        return token, None, float(torch.softmax(last[0], -1)[token]) if request.min_confidence else 1.0
+    row = sparse.encode(warp(last, request.params)[0])
+    q = sparse.decode(row, engine.vocab_size)  # [vocab]
+    token = sample(q, u)  # from the decoded row: exactly the q the target will verify against
+    return token, row, float(q[token])
 
 
 @dataclass(frozen=True)

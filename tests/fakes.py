@@ -7,6 +7,7 @@ function of the prefix, so the "target alone" output is easy to compute.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -49,6 +50,12 @@ class FakeService:
     released: list[str] = field(default_factory=list)
     instance_id: str = "fake-1"
     compute_s: float = 0.01  # reported model time per call
+    wait_s: float = 0.0  # each call first waits this long (a queue or a slow network)...
+    wait_is_queue: bool = True  # ...reported as queued_s (load) or not (the network)
+
+    async def _wait(self) -> float:
+        await asyncio.sleep(self.wait_s)
+        return self.wait_s if self.wait_is_queue else 0.0
 
     def _sync(self, session_id: str, sync: SyncPoint) -> list[int]:
         self.calls += 1
@@ -69,15 +76,24 @@ class FakeService:
         self.released.append(session_id)
 
 
+@dataclass
 class FakeDrafter(FakeService):
+    confidence: Callable[[Sequence[int]], float] = lambda prefix: 1.0  # the draft's probability of its next token
+
     async def propose(
-        self, session_id: str, sync: SyncPoint, k: int, params: SamplingParams, lookahead: int = 0
+        self, session_id: str, sync: SyncPoint, k: int, params: SamplingParams, lookahead: int = 0,
+        min_confidence: float = 0.0,
     ) -> DraftReply:
         tokens = self._sync(session_id, sync)
         position = len(tokens)
         for _ in range(k):
+            sure = self.confidence(tokens) >= min_confidence
             tokens.append(self.rule(tokens))
-        return DraftReply(Proposal(tuple(tokens[position:]), ()), position, self.instance_id, self.compute_s * k)
+            if not sure:
+                break
+        drafted = len(tokens) - position
+        proposal = Proposal(tuple(tokens[position:]), ())
+        return DraftReply(proposal, position, self.instance_id, self.compute_s * drafted, 0, await self._wait())
 
 
 class FakeVerifier(FakeService):
@@ -90,7 +106,7 @@ class FakeVerifier(FakeService):
             tokens.append(drafted)
             accepted += 1
         tokens.append(self.rule(tokens))
-        return VerifyReply(Verdict(accepted, tokens[-1]), len(tokens), self.instance_id, self.compute_s)
+        return VerifyReply(Verdict(accepted, tokens[-1]), len(tokens), self.instance_id, self.compute_s, await self._wait())
 
 
 @dataclass

@@ -69,24 +69,44 @@ def test_verify_batch_decides_what_one_session_at_a_time_decides(tiny_pair, para
             draft.sync(v.session_id, v.position + verdict.num_accepted, [verdict.next_token])
 
 
+@pytest.mark.parametrize("min_confidence", [0.0, 0.5], ids=["to-K", "confidence-stop"])
 @pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=1.0, top_k=6, seed=3)],
                          ids=["greedy", "sampled"])
-def test_draft_batch_drafts_what_each_session_drafts_alone(tiny_pair, params):
+def test_draft_batch_drafts_what_each_session_drafts_alone(tiny_pair, params, min_confidence):
     alone, batched = (ModelEngine(EngineConfig(tiny_pair[0], dtype="float64")) for _ in range(2))
     for session, prompt in enumerate(PROMPTS):
         for engine in (alone, batched):
             engine.sync(str(session), 0, prompt)
     for round_ in range(3):
-        calls = [DraftCall(str(s), batched.position(str(s)), (s + round_) % 5 + 1, params) for s in range(len(PROMPTS))]
+        calls = [DraftCall(str(s), batched.position(str(s)), (s + round_) % 5 + 1, params, min_confidence=min_confidence)
+                 for s in range(len(PROMPTS))]
         drafted = draft_batch(batched, [prepare_draft(batched, call) for call in calls])
         for call, (proposal, reused) in zip(calls, drafted):
-            expected = propose(alone, call.session_id, call.K, params)
+            expected = propose(alone, call.session_id, call.K, params, min_confidence)
             assert reused == 0 and proposal.tokens == expected.tokens and len(proposal.q) == len(expected.q)
             for row, expected_row in zip(proposal.q, expected.q):  # equal up to the rounding of a batched matmul
                 assert torch.allclose(sparse.decode(row, alone.vocab_size), sparse.decode(expected_row, alone.vocab_size))
             assert batched.tokens(call.session_id) == alone.tokens(call.session_id)
             for engine in (alone, batched):  # the round's verdict: one draft accepted, then a recovered token
                 engine.sync(call.session_id, call.position + 1, [(7 * round_ + 1) % 256])
+
+
+def test_a_confidence_stop_ends_the_draft_after_its_first_unsure_token(tiny_pair):
+    engine, greedy, K = ModelEngine(EngineConfig(tiny_pair[0], dtype="float64")), SamplingParams(), 8
+    stops = []
+    for session, prompt in enumerate(PROMPTS):
+        s, n = str(session), len(prompt)
+        engine.sync(s, 0, prompt)
+        full = propose(engine, s, K, greedy)
+        confidence = []  # the draft's probability of each of its drafts, one plain forward each
+        for i, token in enumerate(full.tokens):
+            engine.sync(s, n, full.tokens[:i])
+            confidence.append(float(torch.softmax(engine.forward(s)[-1], -1)[token]))
+        engine.sync(s, n, [])
+        unsure = next((i for i, p in enumerate(confidence) if p < 0.5), K - 1)
+        assert propose(engine, s, K, greedy, 0.5).tokens == full.tokens[: unsure + 1]
+        stops.append(unsure + 1)
+    assert min(stops) < K  # the prompts do make it stop
 
 
 # -- the batcher --------------------------------------------------------------------------------
@@ -186,9 +206,9 @@ def slow_down(engine: ModelEngine, seconds: float = 0.02) -> None:
     they do. Each pass takes a little longer here, so concurrent rounds do queue up."""
     forward_many = engine.forward_many
 
-    def slow(requests):
+    def slow(requests, **options):
         time.sleep(seconds)
-        return forward_many(requests)
+        return forward_many(requests, **options)
 
     engine.forward_many = slow
 
@@ -216,6 +236,9 @@ def test_concurrent_generations_are_batched_and_each_is_the_target_alone(cluster
     assert cluster.draft.batcher.largest >= 3 > largest_before[1]
 
 
+HELD_S = 0.2
+
+
 def in_one_turn(cluster, servicer, rpc, sessions: list[str]) -> dict[str, tuple]:
     """rpc(session) for every session while the servicer's worker is held, so that all of them
     queue for its next turn; session -> (status code, reply or None)."""
@@ -232,6 +255,7 @@ def in_one_turn(cluster, servicer, rpc, sessions: list[str]) -> dict[str, tuple]
         replies = [pool.submit(call, session) for session in sessions]
         while servicer.batcher.waiting < len(sessions):
             time.sleep(0.01)
+        time.sleep(HELD_S)  # every call has queued at least this long
         release.set()
         blocked.result(timeout=10)
         return dict(zip(sessions, (r.result() for r in replies)))
@@ -271,6 +295,7 @@ def test_a_request_that_fails_in_a_batch_fails_alone(cluster):
     for session in ("batch-ok-1", "batch-ok-2"):
         reply = convert.verify_reply(outcomes[session][1])
         assert reply.verdict == expected[session]
+        assert reply.queued_s >= HELD_S > reply.compute_s  # the wait is reported as queueing, not as the pass
         assert reply.position == target.position(session) == len(prompt) + reply.verdict.num_accepted + 1
         assert target.tokens(session)[len(prompt):] == (*calls[session][1][: reply.verdict.num_accepted],
                                                         reply.verdict.next_token)
@@ -307,6 +332,10 @@ def test_proposals_that_queue_draft_together_and_one_that_fails_fails_alone(clus
     for session, proposal in expected.items():
         reply = draft_convert.draft_reply(outcomes[session][1])
         assert reply.proposal.tokens == proposal.tokens and reply.position == len(calls[session][0].tokens)
+        assert reply.queued_s >= HELD_S > reply.compute_s
+    # one pass: a session is charged the drafting steps it took part in (2 of 4), the rest is waiting
+    short, long = (draft_convert.draft_reply(outcomes[s][1]) for s in ("draft-ok-1", "draft-ok-2"))
+    assert short.compute_s == pytest.approx(long.compute_s / 2)
 
 
 def test_each_request_of_a_batch_gets_its_own_span_under_its_own_rpc(cluster, monkeypatch):

@@ -1,5 +1,6 @@
 """Sampling is lossless on real (tiny) models: the tokens that speculative decoding emits
-follow the target's warped distribution, at the first and the second generated position.
+follow the target's warped distribution, at the first and the second generated position, with
+and without a confidence stop in drafting.
 
 Runs the services' own model-side functions (`propose`, `verify_proposal`) on two engines,
 over many seeds, and compares with the exact distributions computed from the target alone
@@ -43,14 +44,18 @@ def exact_marginals(target: ModelEngine) -> tuple[torch.Tensor, torch.Tensor]:
     return first, second
 
 
-def speculative_first_two(draft: ModelEngine, target: ModelEngine, seed: int) -> list[int]:
+def speculative_first_two(
+    draft: ModelEngine, target: ModelEngine, seed: int, min_confidence: float = 0.0, lengths: list[int] | None = None
+) -> list[int]:
     params = SamplingParams(**PARAMS, seed=seed)
     committed = list(PROMPT)
     draft.sync("s", 0, committed)
     target.sync("s", 0, committed)
     while len(committed) < len(PROMPT) + 2:
         n = len(committed)
-        proposal = propose(draft, "s", K, params)
+        proposal = propose(draft, "s", K, params, min_confidence)
+        if lengths is not None:
+            lengths.append(len(proposal.tokens))
         verdict = verify_proposal(target, "s", proposal, params)
         committed += list(proposal.tokens[: verdict.num_accepted]) + [verdict.next_token]
         draft.sync("s", n + verdict.num_accepted, [verdict.next_token])
@@ -69,16 +74,20 @@ def chi_square_p_value(samples: list[int], expected: torch.Tensor) -> float:
     return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(statistic / 2)))
 
 
-def p_values(engines) -> tuple[float, float]:
+def p_values(engines, min_confidence: float = 0.0, lengths: list[int] | None = None) -> tuple[float, float]:
     draft, target = engines
     first, second = exact_marginals(target)
-    runs = [speculative_first_two(draft, target, seed) for seed in range(N_SAMPLES)]
+    runs = [speculative_first_two(draft, target, seed, min_confidence, lengths) for seed in range(N_SAMPLES)]
     return chi_square_p_value([r[0] for r in runs], first), chi_square_p_value([r[1] for r in runs], second)
 
 
-def test_first_and_second_tokens_follow_the_target_distribution(engines):
-    p_first, p_second = p_values(engines)
+@pytest.mark.parametrize("min_confidence", [0.0, 0.3])
+def test_first_and_second_tokens_follow_the_target_distribution(engines, min_confidence):
+    lengths: list[int] = []
+    p_first, p_second = p_values(engines, min_confidence, lengths)
     assert p_first > 1e-3 and p_second > 1e-3, (p_first, p_second)
+    # a confidence stop ends drafting where the draft is unsure; without one, K is drafted
+    assert (set(lengths) == {K}) == (min_confidence == 0.0) and min(lengths) >= 1
 
 
 def test_the_test_catches_resampling_from_p_after_a_rejection(engines, monkeypatch):

@@ -14,6 +14,7 @@ from specd.engine import (
     SessionsFull,
     WrongThread,
 )
+from specd import ragged
 from specd.tiny import build_tiny_pair
 
 PROMPT = [3, 17, 250, 42, 99, 7, 7, 128, 64, 5, 200]  # arbitrary byte-token ids (< 256)
@@ -338,6 +339,23 @@ def test_a_batch_of_one_is_the_stock_forward_bit_for_bit(tiny_pair):
         engine.sync(session, 0, PROMPT)
     for extra in ([], [1, 2], [3], [4, 5, 6, 7]):
         assert torch.equal(engine.forward_many([("ragged", extra)])[0], engine.forward("stock", extra))
+
+
+def test_newest_only_feeds_just_the_new_tokens_of_a_fully_cached_session(tiny_pair, monkeypatch):
+    engine = make_engine(tiny_pair[1], dtype="float64")
+    for session in ("full", "newest"):
+        engine.sync(session, 0, PROMPT)
+        engine.forward(session, [8])  # every token cached, nothing pending
+    fed = []
+    forward = ragged.forward
+    monkeypatch.setattr(ragged, "forward", lambda model, caches, inputs, keep: fed.append(inputs) or forward(model, caches, inputs, keep))
+    for extra in ([9], [], [3, 4]):
+        want = engine.forward_many([("full", extra)])[0][-1:]
+        got = engine.forward_many([("newest", extra)], newest_only=True)[0]
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        assert engine.tokens("newest") == engine.tokens("full")
+    # full re-feeds the last held token for its row; newest_only feeds it only when there is no extra
+    assert fed == [[[8, 9]], [[9]], [[9]], [[9]], [[9, 3, 4]], [[3, 4]]]
 
 
 def test_a_refused_request_leaves_every_session_of_the_batch_untouched(target):

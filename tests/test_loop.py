@@ -8,6 +8,7 @@ import asyncio
 
 import pytest
 
+from specd.policy import PolicyConfig
 from specd.loop import Chunk, Finished, GenerationRequest, RoundRecord, Services, generate
 from specd.sampling import SamplingParams
 from specd.session import Fenced
@@ -112,6 +113,41 @@ def test_adaptive_k_keeps_the_output_identical():
     done = run(adaptive, drafter, verifier)[-1]
     assert list(done.token_ids) == target_alone(PROMPT, 60)
     assert done.stats.drafted > 0
+
+
+def unsure_where_wrong(agreement_every: int):
+    """The draft's confidence: low exactly where draft_rule(agreement_every) disagrees with the target."""
+    return lambda prefix: 0.1 if len(prefix) % agreement_every == 0 else 0.9
+
+
+@pytest.mark.parametrize("min_confidence, pinned", [(0.5, False), (0.0, False), (0.5, True)])
+def test_a_confidence_stop_drafts_up_to_the_first_unsure_token(min_confidence, pinned):
+    records: list[RoundRecord] = []
+    drafter = FakeDrafter(draft_rule(7), compute_s=1e-4, confidence=unsure_where_wrong(7))  # speculation pays
+    policy = PolicyConfig(max_k=8, default_k=8, adaptive=False, min_confidence=min_confidence)
+    req = GenerationRequest(PROMPT, StopRules(60), SamplingParams(), policy, fixed_k=8 if pinned else None)
+    done = run(req, drafter, FakeVerifier(target_rule), records.append)[-1]
+    assert list(done.token_ids) == target_alone(PROMPT, 60)
+    stopped = min_confidence > 0 and not pinned  # a pinned K drafts exactly K
+    drafting = [r for r in records if r.k > 0 and r.mode == "speculative"][:-1]  # the last is cut by max_tokens
+    assert len(drafting) >= 5
+    # every round stopped at the unsure token, which was the wrong one: none passed in full
+    assert all(r.k < 8 and r.num_accepted == r.k - 1 for r in drafting) == stopped
+    assert done.stats.drafted == sum(r.k for r in records)  # observations count what was drafted
+
+
+@pytest.mark.parametrize("wait_is_queue", [True, False], ids=["queued", "network"])
+def test_time_queued_behind_other_sessions_is_not_counted_as_network_overhead(wait_is_queue):
+    # at α = 1/3 speculation pays with a free network; at a 30 ms round trip per call it does not
+    third = lambda prefix: target_rule(prefix) if len(prefix) % 3 == 0 else (target_rule(prefix) + 1) % 50  # noqa: E731
+    drafter = FakeDrafter(third, compute_s=1e-4, wait_s=0.03, wait_is_queue=wait_is_queue)
+    verifier = FakeVerifier(target_rule, compute_s=0.01, wait_s=0.03, wait_is_queue=wait_is_queue)
+    adaptive = GenerationRequest(PROMPT, StopRules(30), SamplingParams())
+    done = run(adaptive, drafter, verifier)[-1]
+    assert list(done.token_ids) == target_alone(PROMPT, 30)
+    policy = done.session.policy
+    assert (policy.estimates.rtt_s < 0.01) == wait_is_queue
+    assert (policy.fallbacks == 0) == wait_is_queue
 
 
 def test_speculation_off_never_calls_the_draft():

@@ -19,6 +19,7 @@ from specd.loop import Chunk, GenerationRequest, RoundRecord, Services, generate
 from specd.sampling import SamplingParams
 from specd.stopping import StopRules
 from services.coordinator.__main__ import _row_blocks, parse
+from services.coordinator.requests import Limits
 from services.coordinator.store import RedisSessionStore
 from services.draft.client import GrpcDrafter
 from services.protogen.specd.v1 import common_pb2, coordinator_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
@@ -215,6 +216,8 @@ def test_model_services_reject_bad_requests_with_invalid_argument(cluster):
             lambda: draft.Propose(draft_pb2.ProposeRequest(session_id="", sync=sync, k=2)),
             lambda: draft.Propose(draft_pb2.ProposeRequest(session_id="s", sync=common_pb2.SyncPoint(tokens=[10**6]), k=2)),
             lambda: draft.Propose(draft_pb2.ProposeRequest(session_id="s", sync=sync, k=2, sampling=common_pb2.SamplingParams(top_p=2))),
+            *(lambda c=c: draft.Propose(draft_pb2.ProposeRequest(session_id="s", sync=sync, k=2, min_confidence=c))
+              for c in (1.0, -0.1, float("nan"))),
             # a sampled verification without the draft distributions it needs
             lambda: target.Verify(target_pb2.VerifyRequest(session_id="s", sync=sync, draft_tokens=[4, 5], sampling=sampled)),
             # a draft token with zero probability under its own q
@@ -237,8 +240,8 @@ def test_model_services_reject_bad_requests_with_invalid_argument(cluster):
             target.Step(target_pb2.StepRequest(session_id="fresh", sync=common_pb2.SyncPoint(start_pos=5, tokens=[1])))
         assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert ("specd-position", "0") in error.value.trailing_metadata()
-        ok = draft.Propose(draft_pb2.ProposeRequest(session_id="s2", sync=sync, k=2))
-        assert len(ok.tokens) == 2 and ok.position == 3
+        ok = draft.Propose(draft_pb2.ProposeRequest(session_id="s2", sync=sync, k=2, min_confidence=0.99))
+        assert 1 <= len(ok.tokens) <= 2 and ok.position == 3
 
 
 def test_a_full_engine_answers_resource_exhausted_and_recovers_after_release(tiny_pair):
@@ -322,6 +325,16 @@ def _useless_run(c: Cluster):
     finally:
         c.close()
     return reply, summary
+
+
+def test_the_coordinator_validates_its_draft_confidence_setting(capsys):
+    base = ["--model-dir", "m", "--redis-url", "redis://127.0.0.1:1/0"]
+    assert parse(base).draft_confidence == Limits.min_confidence
+    assert parse(base + ["--draft-confidence", "0"]).draft_confidence == 0.0
+    for bad in ("1", "-0.5", "nan", "high"):
+        with pytest.raises(SystemExit):
+            parse(base + ["--draft-confidence", bad])
+        assert "draft confidence must be" in capsys.readouterr().err
 
 
 def test_the_coordinator_resolves_its_row_blocks_setting(capsys):

@@ -5,7 +5,7 @@ and answer), and the session RPCs (GetSession, Release)."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Generic, Protocol, Self, TypeVar
 
 import grpc
@@ -40,12 +40,14 @@ Outcome = tuple[R, dict[str, Any]] | Exception  # a result and its span's attrib
 class Queued(Generic[C]):
     call: C
     parent: otel_context.Context  # the RPC's trace context: its model span hangs under it
+    at: float = field(default_factory=time.perf_counter)  # when it was queued
 
 
 @dataclass(frozen=True)
 class Done(Generic[R]):
     result: R
     compute_s: float  # the whole batch's model time: what this request waited on
+    queued_s: float = 0.0  # from queueing to the start of its pass (other passes, the other service's turn)
 
 
 class ModelServicer:
@@ -94,7 +96,7 @@ class ModelServicer:
             finally:
                 self.metrics.engine_changed(self.engine)  # a sync may evict, even one that then fails
             compute_s = time.perf_counter() - start
-            return [_settle(span, outcome, compute_s) for span, outcome in zip(spans, settled)]
+            return [_settle(span, outcome, compute_s, start - q.at) for span, outcome, q in zip(spans, settled, batch)]
 
         return Batcher(self.worker, run_batch, key=lambda queued: queued.call.session_id, max_batch=max_batch)
 
@@ -158,7 +160,7 @@ def _start_span(name: str, queued: Queued, batch_size: int) -> Span:
     return tracer.start_span(name, context=queued.parent, attributes=attributes)
 
 
-def _settle(span: Span, outcome: Outcome, compute_s: float) -> Done | Exception:
+def _settle(span: Span, outcome: Outcome, compute_s: float, queued_s: float) -> Done | Exception:
     try:
         if isinstance(outcome, Exception):
             span.record_exception(outcome)
@@ -166,6 +168,6 @@ def _settle(span: Span, outcome: Outcome, compute_s: float) -> Done | Exception:
             return outcome
         result, attributes = outcome
         span.set_attributes(attributes)
-        return Done(result, compute_s)
+        return Done(result, compute_s, queued_s)
     finally:
         span.end()

@@ -47,6 +47,15 @@ def row_blocks(value: str) -> str | tuple[int, ...]:
     return blocks
 
 
+def confidence(value: str) -> float:
+    try:
+        threshold = float(value)
+        PolicyConfig(min_confidence=threshold).validate()  # in [0, 1)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"draft confidence must be a probability in [0, 1), got {value!r}")
+    return threshold
+
+
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m services.coordinator", description="specd coordinator")
     settings.add(parser, "--model-dir", type=Path, help="the target's model directory (tokenizer, limits)")
@@ -63,6 +72,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     settings.add(parser, "--verify-row-blocks", type=row_blocks, default="cpu",
                  help="row counts the target pads a verification's K + 1 rows to, so K of one block cost the same: "
                       "cpu (the CPU small-row kernels), none (a target that does not pad), or a list like 1,2,4,8,16")
+    settings.add(parser, "--draft-confidence", type=confidence, default=Limits.min_confidence,
+                 help="adaptive K: the draft stops after a token it gave a probability below this (0: off)")
     settings.add(parser, "--inject-rtt-ms", type=float, default=0.0,
                  help="benchmarks: add this round-trip delay to every model-service call")
     settings.add(parser, "--http-port", type=int, default=DEFAULT_HTTP_PORT, help="REST (OpenAI) port; -1: no REST")
@@ -86,7 +97,10 @@ def _row_blocks(args: argparse.Namespace) -> tuple[int, ...]:
 
 async def serve(args: argparse.Namespace) -> None:
     model = load_model_info(args.model_dir)
-    limits = Limits(default_k=args.default_k, max_k=args.max_k, pipeline=args.pipeline, row_blocks=_row_blocks(args))
+    limits = Limits(
+        default_k=args.default_k, max_k=args.max_k, pipeline=args.pipeline, row_blocks=_row_blocks(args),
+        min_confidence=args.draft_confidence,
+    )
     drafter, verifier = GrpcDrafter(args.draft_addr.split(",")), GrpcVerifier(args.target_addr.split(","))
     if args.inject_rtt_ms:
         rtt_s = args.inject_rtt_ms / 1e3

@@ -18,9 +18,10 @@ class GrpcDrafter:
         self._timeout_s = timeout_s
 
     async def propose(
-        self, session_id: str, sync: SyncPoint, k: int, params: SamplingParams, lookahead: int = 0
+        self, session_id: str, sync: SyncPoint, k: int, params: SamplingParams, lookahead: int = 0,
+        min_confidence: float = 0.0,
     ) -> DraftReply:
-        request = convert.propose_request(session_id, sync, k, params, lookahead)
+        request = convert.propose_request(session_id, sync, k, params, lookahead, min_confidence)
         reply = await self.replicas.call(
             sync.instance_id, session_id, lambda stub: call(stub.Propose(request, timeout=timeout(self._timeout_s)))
         )

@@ -18,6 +18,7 @@ class ProposeCall:
     k: int
     params: SamplingParams
     lookahead: int = 0
+    min_confidence: float = 0.0
 
 
 def propose_call(msg: draft_pb2.ProposeRequest) -> ProposeCall:
@@ -25,18 +26,20 @@ def propose_call(msg: draft_pb2.ProposeRequest) -> ProposeCall:
         raise ValueError(f"k must be in [1, {common.MAX_K}]")
     if msg.lookahead > msg.k + 1:
         raise ValueError(f"lookahead must be in [0, k + 1], got {msg.lookahead} with k = {msg.k}")
+    if not 0.0 <= msg.min_confidence < 1.0:  # also refuses NaN
+        raise ValueError(f"min_confidence must be in [0, 1), got {msg.min_confidence}")
     return ProposeCall(
         common.session_id(msg.session_id), common.sync_from_proto(msg.sync), msg.k,
-        common.params_from_proto(msg.sampling), msg.lookahead,
+        common.params_from_proto(msg.sampling), msg.lookahead, msg.min_confidence,
     )
 
 
 def propose_request(
-    session_id: str, sync: SyncPoint, k: int, params: SamplingParams, lookahead: int = 0
+    session_id: str, sync: SyncPoint, k: int, params: SamplingParams, lookahead: int = 0, min_confidence: float = 0.0
 ) -> draft_pb2.ProposeRequest:
     return draft_pb2.ProposeRequest(
         session_id=session_id, sync=common.sync_to_proto(sync), k=k, sampling=common.params_to_proto(params),
-        lookahead=lookahead,
+        lookahead=lookahead, min_confidence=min_confidence,
     )
 
 
@@ -48,9 +51,10 @@ def propose_response(reply: DraftReply) -> draft_pb2.ProposeResponse:
         instance_id=reply.instance_id,
         compute_s=reply.compute_s,
         reused=reply.reused,
+        queued_s=reply.queued_s,
     )
 
 
 def draft_reply(msg: draft_pb2.ProposeResponse) -> DraftReply:
     proposal = Proposal(tuple(msg.tokens), common.dists_from_proto(msg.q))
-    return DraftReply(proposal, msg.position, msg.instance_id, msg.compute_s, msg.reused)
+    return DraftReply(proposal, msg.position, msg.instance_id, msg.compute_s, msg.reused, msg.queued_s)

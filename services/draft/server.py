@@ -28,14 +28,15 @@ from services.protogen.specd.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-Drafted = tuple[Proposal, int, int]  # the proposal, drafts reused from drafting ahead, the committed length
+# the proposal, drafts reused from drafting ahead, the committed length, its share of the batch's steps
+Drafted = tuple[Proposal, int, int, float]
 
 
 class DraftServicer(ModelServicer, draft_pb2_grpc.DraftServiceServicer):
     def __init__(self, engine, name: str, worker: EngineWorker, max_batch: int = DEFAULT_MAX_BATCH):
         super().__init__(engine, name, worker)
         self.batcher = self.make_batcher(
-            self._prepare, partial(speculation.draft_batch, engine), _answer, lambda call: "draft.propose", max_batch
+            self._prepare, partial(_draft_batch, engine), _answer, lambda call: "draft.propose", max_batch
         )
         # Sessions drafting (or done drafting) ahead. Only the worker thread pops an entry for a
         # Propose, so a drafting step that finds its entry gone knows a newer call came first.
@@ -54,13 +55,17 @@ class DraftServicer(ModelServicer, draft_pb2_grpc.DraftServiceServicer):
         self.metrics.model_step("propose", done.compute_s)
         if call.lookahead:
             self._start_drafting_ahead(call)
-        proposal, reused, position = done.result
-        return DraftReply(proposal, position, self.engine.instance_id, done.compute_s, reused)
+        proposal, reused, position, share = done.result
+        # A session is charged the drafting steps it took part in; waiting out the steps of the
+        # sessions that drafted longer is load, like the queue before the pass.
+        compute_s = done.compute_s * share
+        queued_s = done.queued_s + done.compute_s - compute_s
+        return DraftReply(proposal, position, self.engine.instance_id, compute_s, reused, queued_s)
 
     def _prepare(self, call: convert.ProposeCall) -> speculation.Drafting:
         position = self.sync_session(call.session_id, call.sync)
         ahead = self._ahead.pop(call.session_id, None)
-        draft = speculation.DraftCall(call.session_id, position, call.k, call.params, ahead)
+        draft = speculation.DraftCall(call.session_id, position, call.k, call.params, ahead, call.min_confidence)
         return speculation.prepare_draft(self.engine, draft)
 
     def sync_session(self, session_id: str, sync: SyncPoint) -> int:
@@ -104,9 +109,20 @@ class DraftServicer(ModelServicer, draft_pb2_grpc.DraftServiceServicer):
             log.debug("drafting ahead stopped for %s: %s", call.session_id, error)
 
 
-def _answer(drafting: speculation.Drafting, drafted: tuple[Proposal, int]) -> Outcome[Drafted]:
-    call, (proposal, reused) = drafting.call, drafted
-    return (proposal, reused, call.position), {"specd.k": call.K, "specd.position": call.position, "specd.reused": reused}
+def _draft_batch(engine, draftings: list[speculation.Drafting]) -> list[tuple[Proposal, int, float]]:
+    """`draft_batch`, with each session's share of the batch's drafting steps (a session that
+    stopped early took part in fewer of them)."""
+    drafted = speculation.draft_batch(engine, draftings)
+    steps = [len(proposal.tokens) - reused for proposal, reused in drafted]
+    most = max(steps, default=0)
+    return [(proposal, reused, own / most if most else 1.0) for (proposal, reused), own in zip(drafted, steps)]
+
+
+def _answer(drafting: speculation.Drafting, drafted: tuple[Proposal, int, float]) -> Outcome[Drafted]:
+    call, (proposal, reused, share) = drafting.call, drafted
+    attributes = {"specd.k": call.K, "specd.drafted": len(proposal.tokens), "specd.position": call.position,
+                  "specd.reused": reused}
+    return (proposal, reused, call.position, share), attributes
 
 
 def register(servicer: DraftServicer):

@@ -58,17 +58,18 @@ def step_request(session_id: str, sync: SyncPoint, params: SamplingParams) -> ta
     )
 
 
-def verify_response(
-    verdict: Verdict, position: int, instance_id: str, compute_s: float
-) -> target_pb2.VerifyResponse:
+def verify_response(reply: VerifyReply) -> target_pb2.VerifyResponse:
     return target_pb2.VerifyResponse(
-        num_accepted=verdict.num_accepted,
-        next_token=verdict.next_token,
-        position=position,
-        instance_id=instance_id,
-        compute_s=compute_s,
+        num_accepted=reply.verdict.num_accepted,
+        next_token=reply.verdict.next_token,
+        position=reply.position,
+        instance_id=reply.instance_id,
+        compute_s=reply.compute_s,
+        queued_s=reply.queued_s,
     )
 
 
 def verify_reply(msg: target_pb2.VerifyResponse) -> VerifyReply:
-    return VerifyReply(Verdict(msg.num_accepted, msg.next_token), msg.position, msg.instance_id, msg.compute_s)
+    return VerifyReply(
+        Verdict(msg.num_accepted, msg.next_token), msg.position, msg.instance_id, msg.compute_s, msg.queued_s
+    )

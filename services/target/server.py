@@ -39,7 +39,7 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
 
     async def _verify(self, call: convert.VerifyCall) -> target_pb2.VerifyResponse:
         reply = await self.verify(call)
-        return convert.verify_response(reply.verdict, reply.position, reply.instance_id, reply.compute_s)
+        return convert.verify_response(reply)
 
     async def verify(self, call: convert.VerifyCall) -> VerifyReply:
         """Verify (K = 0: one plain step) in the next batched pass. Transport-free: the gRPC
@@ -47,7 +47,7 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
         done = await self.batcher.submit(queued(call))
         self.metrics.model_step("verify" if call.proposal.tokens else "step", done.compute_s)
         verdict, position = done.result
-        return VerifyReply(verdict, position, self.engine.instance_id, done.compute_s)
+        return VerifyReply(verdict, position, self.engine.instance_id, done.compute_s, done.queued_s)
 
     def _prepare(self, call: convert.VerifyCall) -> speculation.Verification:
         self.sync_session(call.session_id, call.sync)
