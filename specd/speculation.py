@@ -153,7 +153,8 @@ def _draft(engine: "ModelEngine", requests: Sequence[_DraftRequest]) -> list[Pro
             request, i = requests[j], len(tokens[j])
             token, row, q_token = _next_draft(engine, request, last, u[j][i] if u[j] else 0.0)
             tokens[j].append(token)
-            rows[j] += [row] if row is not None else []
+            if row is not None:
+                rows[j].append(row)
             if i + 1 < request.K and q_token >= request.min_confidence:
                 still.append(j)
         drafting = still

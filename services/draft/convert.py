@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specd.loop import DraftReply, SyncPoint
+from specd.policy import PolicyConfig
 from specd.sampling import SamplingParams
 from specd.verify import Proposal
 from services.common import convert as common
@@ -26,8 +27,7 @@ def propose_call(msg: draft_pb2.ProposeRequest) -> ProposeCall:
         raise ValueError(f"k must be in [1, {common.MAX_K}]")
     if msg.lookahead > msg.k + 1:
         raise ValueError(f"lookahead must be in [0, k + 1], got {msg.lookahead} with k = {msg.k}")
-    if not 0.0 <= msg.min_confidence < 1.0:  # also refuses NaN
-        raise ValueError(f"min_confidence must be in [0, 1), got {msg.min_confidence}")
+    PolicyConfig(min_confidence=msg.min_confidence).validate()  # in [0, 1), not NaN
     return ProposeCall(
         common.session_id(msg.session_id), common.sync_from_proto(msg.sync), msg.k,
         common.params_from_proto(msg.sampling), msg.lookahead, msg.min_confidence,
