@@ -10,7 +10,7 @@ then the same N at once (`benchmarks.bench.concurrency_runs`); aggregate tokens/
 their ratio. Every concurrent output must equal the same prompt's sequential output.
 
     .venv/bin/python -m benchmarks.concurrency [--sessions 8] [--tokens 64] [--core-turns off,on] [--draft-max-batch 8]
-        [--name concurrency]
+        [--batch-wait 0.1] [--name concurrency]
 
 Writes benchmarks/results/<name>.json: per setting the aggregate rates, and for the sequential and
 the concurrent sessions their rounds, fallbacks, accepted of drafted tokens and wall time by prompt.
@@ -28,11 +28,11 @@ from benchmarks.bench import (
     BenchConfig, LosslessViolation, _model_dirs, concurrency_runs, load_prompts, mismatches, warm_up,
 )
 from benchmarks.common import machine, specd_up, write
+from services.common.worker import Batching
 
 
-def measure(turns: str, cfg: BenchConfig, prompts, draft_dir, target_dir, draft_max_batch: int) -> dict:
-    flags = ("--core-turns", turns, "--draft-max-batch", str(draft_max_batch),
-             "--draft-model-dir", str(draft_dir), "--target-model-dir", str(target_dir))
+def measure(turns: str, cfg: BenchConfig, prompts, draft_dir, target_dir, up_flags: tuple[str, ...]) -> dict:
+    flags = ("--core-turns", turns, *up_flags, "--draft-model-dir", str(draft_dir), "--target-model-dir", str(target_dir))
     with specd_up(*flags) as stub, tqdm(total=2 * cfg.concurrency, unit="req", desc=f"turns {turns}") as bar:
         warm_up(stub, prompts[0])
         scaling = concurrency_runs(stub, cfg, prompts, bar)
@@ -58,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--core-turns", default="off,on", help="settings to run, in order")
     parser.add_argument("--name", default="concurrency", help="result name under benchmarks/results/")
     parser.add_argument("--draft-max-batch", type=int, default=8, help="specd up --draft-max-batch")
+    parser.add_argument("--batch-wait", type=float, default=Batching.wait, help="specd up --batch-wait")
     args = parser.parse_args(argv)
     cfg = BenchConfig(tokens=args.tokens, concurrency=args.sessions, prompts_per_class=3)
     draft_dir, target_dir = _model_dirs(cfg)
@@ -65,10 +66,11 @@ def main(argv: list[str] | None = None) -> int:
     settings = args.core_turns.split(",")
     if not set(settings) <= {"on", "off"}:
         parser.error(f"--core-turns takes on and/or off, got {args.core_turns!r}")
-    by_setting = {turns: measure(turns, cfg, prompts, draft_dir, target_dir, args.draft_max_batch) for turns in settings}
+    up_flags = ("--draft-max-batch", str(args.draft_max_batch), "--batch-wait", str(args.batch_wait))
+    by_setting = {turns: measure(turns, cfg, prompts, draft_dir, target_dir, up_flags) for turns in settings}
     result = {
         "benchmark": "concurrency", "machine": machine(), "sessions": args.sessions, "tokens": args.tokens,
-        "draft_max_batch": args.draft_max_batch,
+        "draft_max_batch": args.draft_max_batch, "batch_wait": args.batch_wait,
         "prompts": [p.name for p in prompts][: args.sessions],
         "core_turns": by_setting,
     }

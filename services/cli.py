@@ -52,6 +52,8 @@ def main(argv: list[str] | None = None) -> None:
     settings.add(up, "--draft-max-batch", type=int, default=DEFAULT_MAX_BATCH,
                  help="proposals that queued while the draft was busy share its drafting steps, up to this many")
     settings.add(up, "--target-threads", type=int, help="torch threads of the target service")
+    settings.add(up, "--batch-wait", type=float, help="draft and target: a pass missing sessions of the last passes "
+                 "waits for them up to this fraction of a pass (0: never; default: the services')")
     settings.add(up, "--core-turns", default="on", choices=("on", "off"),
                  help="on | off: draft and target take turns at this machine's cores instead of oversubscribing them")
     settings.add(up, "--default-k", type=int, default=4, help="draft tokens per round")
@@ -168,9 +170,11 @@ def _run_services(args: argparse.Namespace, paths: dict[str, Path], redis_url: s
     }
     for role in METRICS_PORTS:
         commands[role] += ["--metrics-port", str(getattr(args, f"{role}_metrics_port"))]
-    if cores_lock:
-        for role in ("draft", "target"):
+    for role in ("draft", "target"):
+        if cores_lock:
             commands[role] += ["--cores-lock", str(cores_lock)]
+        if args.batch_wait is not None:
+            commands[role] += ["--batch-wait", str(args.batch_wait)]
     commands["coordinator"] += ["--http-port", str(args.http_port)]
     if args.api_keys_file:
         commands["coordinator"] += ["--api-keys-file", str(args.api_keys_file)]

@@ -64,7 +64,7 @@ class _ModelDeployment:
         self.engine = servicer.engine
 
     async def release(self, session_id: str) -> None:
-        await self.servicer.worker.run(self.engine.release, session_id)
+        await self.servicer.worker.run(self.servicer.release_session, session_id)
 
 
 async def _or_stale(reply: Awaitable[T]) -> T | _Stale:

@@ -36,7 +36,7 @@ from specd.speculation import (
     verify_proposal,
 )
 from specd.verify import Proposal
-from services.common.worker import Batcher, EngineWorker, SharedCores
+from services.common.worker import Batcher, Batching, EngineWorker, SharedCores
 from services.common import model_service
 from services.draft import convert as draft_convert
 from services.protogen.specd.v1 import coordinator_pb2, draft_pb2_grpc, target_pb2_grpc
@@ -120,7 +120,7 @@ def test_batcher_takes_what_queued_while_busy_keeps_one_call_per_key_and_fails_c
         seen.append(items)
         return [ValueError(f"bad {v}") if v < 0 else v * 10 for _, v in items]
 
-    batcher = Batcher(worker, run_batch, key=lambda item: item[0], max_batch=3)
+    batcher = Batcher(worker, run_batch, key=lambda item: item[0], batching=Batching(max_batch=3))
 
     async def main():
         release = threading.Event()
@@ -146,7 +146,7 @@ def test_batcher_takes_what_queued_while_busy_keeps_one_call_per_key_and_fails_c
 
 def test_a_lone_call_does_not_wait_for_a_batch():
     worker = EngineWorker("test-lone")
-    batcher = Batcher(worker, lambda items: [v for v in items], key=lambda item: item, max_batch=8)
+    batcher = Batcher(worker, lambda items: [v for v in items], key=lambda item: item)
 
     async def main():
         start = time.perf_counter()
@@ -158,6 +158,68 @@ def test_a_lone_call_does_not_wait_for_a_batch():
     finally:
         worker.close()
     assert (batcher.batches, batcher.largest) == (1, 1)
+
+
+@pytest.mark.parametrize("wait", [0.2, 0.0])
+def test_a_turn_waits_briefly_for_the_sessions_the_last_turns_took(wait):
+    """a and b shared a pass; b now comes 50 ms after a (its reply from the other service was a
+    little later): with a wait of 0.2 of a 0.5 s pass (100 ms) they share the next pass again,
+    without one each. A session that ended is not waited for, nor one that does not come in time."""
+    worker = EngineWorker("test-gather")
+    seen: list[list[str]] = []
+
+    def run_batch(items: list[str]) -> list[str]:
+        seen.append(items)
+        time.sleep(0.5)
+        return items
+
+    batcher = Batcher(worker, run_batch, key=lambda item: item[0], batching=Batching(wait=wait))
+
+    async def late(item: str, delay: float) -> str:
+        await asyncio.sleep(delay)
+        return await batcher.submit(item)
+
+    async def timed(*calls) -> float:
+        start = time.perf_counter()
+        await asyncio.gather(*calls)
+        return time.perf_counter() - start
+
+    async def main() -> list[float]:
+        release = threading.Event()
+        blocked = asyncio.ensure_future(worker.run(release.wait))
+        first = [asyncio.ensure_future(batcher.submit(item)) for item in ("a1", "b1")]
+        while batcher.waiting < 2:
+            await asyncio.sleep(0.01)
+        release.set()
+        await asyncio.gather(blocked, *first)
+        await timed(batcher.submit("a2"), late("b2", 0.05))
+        alone = await timed(batcher.submit("a3"))  # b is not coming: the turn waits out the 100 ms
+        batcher.forget("b")
+        forgotten = await timed(batcher.submit("a4"))  # b ended: no wait
+        return [alone, forgotten]
+
+    try:
+        alone, forgotten = asyncio.run(main())
+    finally:
+        worker.close()
+    if wait:
+        assert seen == [["a1", "b1"], ["a2", "b2"], ["a3"], ["a4"]]
+        assert 0.58 < alone < 0.75 and forgotten < 0.58, (alone, forgotten)
+        assert batcher.waits == 2
+    else:
+        assert seen == [["a1", "b1"], ["a2"], ["b2"], ["a3"], ["a4"]]
+        assert batcher.waits == 0
+
+
+def test_batching_flags_are_checked_when_a_service_starts(capsys):
+    from services.common import model_main
+
+    assert model_main.parse("target", 1, ["--model-dir", "m"]).batch_wait == Batching.wait
+    assert model_main.parse("draft", 1, ["--model-dir", "m", "--batch-wait", "0"]).batch_wait == 0.0
+    for bad in (["--batch-wait", "-0.1"], ["--batch-wait", "1.5"], ["--batch-wait", "nan"], ["--max-batch", "0"]):
+        with pytest.raises(SystemExit):
+            model_main.parse("draft", 1, ["--model-dir", "m", *bad])
+        assert "must be" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("shared", [True, False])

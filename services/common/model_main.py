@@ -14,7 +14,7 @@ from services.common.metrics import serve_metrics
 from services.common.model_service import ModelServicer
 from services.common.server import run_until_signalled, start_server
 from services.common.telemetry import setup_tracing
-from services.common.worker import DEFAULT_MAX_BATCH, SharedCores
+from services.common.worker import DEFAULT_MAX_BATCH, Batching, SharedCores
 
 log = logging.getLogger(__name__)
 
@@ -35,9 +35,16 @@ def parse(role: str, default_port: int, argv: list[str] | None) -> argparse.Name
     settings.add(parser, "--max-batch", type=int, default=DEFAULT_MAX_BATCH,
                  help=f"{'verifications' if role == 'target' else 'proposals'} that queued while the model was busy "
                       "share its passes, up to this many")
+    settings.add(parser, "--batch-wait", type=float, default=Batching.wait,
+                 help="a pass missing sessions of the last passes waits for them up to this fraction of a pass "
+                      "(0: never; like Triton's max queue delay)")
     args = parser.parse_args(argv)
     if args.model_dir is None:
         parser.error("--model-dir (or SPECD_MODEL_DIR) is required")
+    try:
+        Batching(args.max_batch, args.batch_wait).validate()
+    except ValueError as error:
+        parser.error(str(error))
     return args
 
 
@@ -64,7 +71,8 @@ def main(
     setup_tracing(f"specd-{role}")
     cores = SharedCores(args.cores_lock) if args.cores_lock else None
     # Loads the engine on its worker thread.
-    servicer = servicer_class.load(engine_config(args), role, cores=cores, max_batch=args.max_batch)
+    batching = Batching(args.max_batch, args.batch_wait)
+    servicer = servicer_class.load(engine_config(args), role, cores=cores, batching=batching)
 
     async def serve() -> None:
         server, port = await start_server(register(servicer), f"{args.host}:{args.port}")

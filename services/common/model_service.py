@@ -18,7 +18,7 @@ from specd.loop import SyncPoint
 from services.common import convert
 from services.common.errors import grpc_errors
 from services.common.metrics import ModelMetrics
-from services.common.worker import Batcher, EngineWorker, SharedCores
+from services.common.worker import Batcher, Batching, EngineWorker, SharedCores
 from services.protogen.specd.v1 import common_pb2
 
 R = TypeVar("R")
@@ -51,6 +51,8 @@ class Done(Generic[R]):
 
 
 class ModelServicer:
+    batcher: Batcher  # the subclass's, from make_batcher
+
     def __init__(self, engine: ModelEngine, name: str, worker: EngineWorker):
         """`worker` is the thread that built `engine`, the only one that may run it (see `load`)."""
         self.engine = engine
@@ -70,7 +72,7 @@ class ModelServicer:
         run: Callable[[list[P]], list[X]],
         answer: Callable[[P, X], Outcome],
         span_name: Callable[[C], str],
-        max_batch: int,
+        batching: Batching,
     ) -> Batcher[Queued[C], Done]:
         """Calls queued while the worker is busy go through together, on the worker thread: each
         is prepared (synced, checked) alone, so its error is its own; the prepared ones go through
@@ -98,7 +100,7 @@ class ModelServicer:
             compute_s = time.perf_counter() - start
             return [_settle(span, outcome, compute_s, start - q.at) for span, outcome, q in zip(spans, settled, batch)]
 
-        return Batcher(self.worker, run_batch, key=lambda queued: queued.call.session_id, max_batch=max_batch)
+        return Batcher(self.worker, run_batch, key=lambda queued: queued.call.session_id, batching=batching)
 
     def sync_session(self, session_id: str, sync: SyncPoint) -> int:
         """Worker thread: bring the session to the committed tokens; returns its position."""
@@ -113,6 +115,12 @@ class ModelServicer:
                 f"this is instance {self.engine.instance_id}, not {sync.instance_id!r}: resend the session",
                 position=self.engine.position(session_id),
             )
+
+    def release_session(self, session_id: str) -> None:
+        """Worker thread: free the session's cache. Its passes are over: no turn waits for it."""
+        self.engine.release(session_id)
+        self.batcher.forget(session_id)
+        self.metrics.engine_changed(self.engine)
 
     def info(self, session_id: str) -> common_pb2.SessionInfo:
         return common_pb2.SessionInfo(
@@ -131,8 +139,7 @@ class ModelServicer:
         session_id = convert.session_id(request.session_id)
 
         def release() -> common_pb2.SessionInfo:
-            self.engine.release(session_id)
-            self.metrics.engine_changed(self.engine)
+            self.release_session(session_id)
             return self.info(session_id)
 
         return await self.worker.run(release)

@@ -8,6 +8,11 @@ pools in one process (say, the model loaded on the main thread, run on the worke
 every forward 40-80 % slower on a small CPU (benchmarks/threads.py). Calls that can share a model pass queue up in a
 `Batcher` while the worker is busy and go through together.
 
+Sessions served together stay together. A session that drifted half a round out of phase
+(the first one in, or one whose draft stopped early) would otherwise take a pass of its own
+every round, paying a whole pass's fixed cost for one row: so a turn that finds sessions of
+the last turns missing waits for them, briefly (`Batching.wait`, as Triton's queue delay).
+
 Services on one host share its cores. Two of them computing at once oversubscribe the cores
 (each torch pool sized for all of them, spinning while the other runs): under concurrent
 sessions a draft step took 10x its time alone. With `SharedCores` they take turns instead:
@@ -21,13 +26,31 @@ import contextlib
 import contextvars
 import fcntl
 import os
+import threading
+import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Callable, Generic, Hashable, TypeVar
 
 T = TypeVar("T")
 R = TypeVar("R")
 DEFAULT_MAX_BATCH = 8
+GATHER_TURNS = 2  # a turn waits for the sessions the last this many turns took
+
+
+@dataclass(frozen=True)
+class Batching:
+    max_batch: int = DEFAULT_MAX_BATCH  # calls one pass takes at most
+    # A turn missing sessions of the last turns waits for them at most this fraction of a pass
+    # (0: never): they are usually a few milliseconds behind, replies to the other service's pass.
+    wait: float = 0.1
+
+    def validate(self) -> None:
+        if self.max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
+        if not 0.0 <= self.wait <= 1.0:
+            raise ValueError(f"batch wait must be in [0, 1] (a fraction of a pass), got {self.wait}")
 
 
 class SharedCores:
@@ -77,8 +100,9 @@ class EngineWorker:
 
 class Batcher(Generic[T, R]):
     """Calls that arrive while the worker is busy wait; the next worker turn takes them all (up to
-    max_batch) and hands them to `run_batch` together. A lone call starts at once: nothing ever
-    waits for a batch to fill.
+    max_batch) and hands them to `run_batch` together. A lone call starts at once: a turn waits
+    only for keys the last GATHER_TURNS turns took and this one lacks (a key is `forget`-ten when
+    its session ends), and for at most `Batching.wait` of a pass.
 
     `run_batch(items)` runs on the worker thread and returns one outcome per item, a result or the
     exception that item alone failed with, so one bad call never fails the others. Items with
@@ -90,15 +114,18 @@ class Batcher(Generic[T, R]):
         worker: EngineWorker,
         run_batch: Callable[[list[T]], list[R | Exception]],
         key: Callable[[T], Hashable],
-        max_batch: int = DEFAULT_MAX_BATCH,
+        batching: Batching = Batching(),
     ):
-        if max_batch < 1:
-            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
-        self.worker, self.run_batch, self.key, self.max_batch = worker, run_batch, key, max_batch
+        batching.validate()
+        self.worker, self.run_batch, self.key, self.batching = worker, run_batch, key, batching
         self.batches = 0  # worker turns taken
         self.largest = 0  # the most calls one turn took
+        self.waits = 0  # turns that waited for missing keys
         self._queue: deque[tuple[T, asyncio.Future]] = deque()
         self._drainer: asyncio.Task | None = None
+        self._arrived = threading.Condition()  # the worker thread waits on it for missing keys
+        self._seen: dict[Hashable, int] = {}  # key -> the turn that last took it
+        self._pass_s = 0.0  # recent run_batch time
 
     @property
     def waiting(self) -> int:
@@ -107,11 +134,18 @@ class Batcher(Generic[T, R]):
 
     async def submit(self, item: T) -> R:
         future = asyncio.get_running_loop().create_future()
-        self._queue.append((item, future))
+        with self._arrived:
+            self._queue.append((item, future))
+            self._arrived.notify()
         if self._drainer is None or self._drainer.done():
             # A fresh context: the drainer serves many requests, it belongs to none of them.
             self._drainer = asyncio.create_task(self._drain(), context=contextvars.Context())
         return await future
+
+    def forget(self, key: Hashable) -> None:
+        """The key's session ended: turns stop waiting for it."""
+        with self._arrived:
+            self._seen.pop(key, None)
 
     async def _drain(self) -> None:
         while self._queue:
@@ -131,8 +165,29 @@ class Batcher(Generic[T, R]):
     def _take_and_run(self) -> list[tuple[asyncio.Future, R | Exception]]:
         """On the worker thread. The batch is taken when the worker is free, not when this turn was
         queued, so everything that arrived during the previous turn rides along."""
-        taken, deferred, keys = [], [], set()
-        while self._queue and len(taken) < self.max_batch:
+        taken: list[tuple[T, asyncio.Future]] = []
+        with self._arrived:
+            keys = self._take(taken, set())
+            if taken:
+                self._gather(taken, keys)
+                self.batches += 1
+                self._seen = {key: turn for key, turn in self._seen.items() if turn > self.batches - GATHER_TURNS}
+                self._seen.update((key, self.batches) for key in keys)
+        if not taken:
+            return []
+        self.largest = max(self.largest, len(taken))
+        start = time.perf_counter()
+        try:
+            outcomes = self.run_batch([item for item, _ in taken])
+        except Exception as error:
+            outcomes = [error] * len(taken)
+        self._pass_s = time.perf_counter() - start
+        return [(future, outcome) for (_, future), outcome in zip(taken, outcomes, strict=True)]
+
+    def _take(self, taken: list[tuple[T, asyncio.Future]], keys: set[Hashable]) -> set[Hashable]:
+        """Move queued calls into `taken`, one per key, up to max_batch; the rest keep their place."""
+        deferred = []
+        while self._queue and len(taken) < self.batching.max_batch:
             item, future = self._queue.popleft()
             if future.cancelled():  # (read from this thread: a stale answer only costs a wasted row)
                 continue
@@ -142,12 +197,18 @@ class Batcher(Generic[T, R]):
             keys.add(self.key(item))
             taken.append((item, future))
         self._queue.extendleft(reversed(deferred))  # first in the next turn, in arrival order
-        if not taken:
-            return []
-        self.batches += 1
-        self.largest = max(self.largest, len(taken))
-        try:
-            outcomes = self.run_batch([item for item, _ in taken])
-        except Exception as error:
-            outcomes = [error] * len(taken)
-        return [(future, outcome) for (_, future), outcome in zip(taken, outcomes, strict=True)]
+        return keys
+
+    def _gather(self, taken: list[tuple[T, asyncio.Future]], keys: set[Hashable]) -> None:
+        """Wait (holding `_arrived`) for the keys the last turns took and this one lacks."""
+        recent = set(self._seen)  # pruned to the last GATHER_TURNS turns
+        deadline = time.monotonic() + self.batching.wait * self._pass_s
+        if not recent - keys or time.monotonic() >= deadline:
+            return
+        self.waits += 1
+        while recent - keys and len(taken) < self.batching.max_batch:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            self._arrived.wait(remaining)
+            self._take(taken, keys)

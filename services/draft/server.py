@@ -22,7 +22,7 @@ from specd.loop import DraftReply, SyncPoint
 from specd.verify import Proposal
 from services.common.errors import grpc_errors
 from services.common.model_service import ModelServicer, Outcome, queued
-from services.common.worker import DEFAULT_MAX_BATCH, EngineWorker
+from services.common.worker import Batching, EngineWorker
 from services.draft import convert
 from services.protogen.specd.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
@@ -33,10 +33,10 @@ Drafted = tuple[Proposal, int, int, float]
 
 
 class DraftServicer(ModelServicer, draft_pb2_grpc.DraftServiceServicer):
-    def __init__(self, engine, name: str, worker: EngineWorker, max_batch: int = DEFAULT_MAX_BATCH):
+    def __init__(self, engine, name: str, worker: EngineWorker, batching: Batching = Batching()):
         super().__init__(engine, name, worker)
         self.batcher = self.make_batcher(
-            self._prepare, partial(_draft_batch, engine), _answer, lambda call: "draft.propose", max_batch
+            self._prepare, partial(_draft_batch, engine), _answer, lambda call: "draft.propose", batching
         )
         # Sessions drafting (or done drafting) ahead. Only the worker thread pops an entry for a
         # Propose, so a drafting step that finds its entry gone knows a newer call came first.

@@ -17,16 +17,16 @@ from specd.loop import VerifyReply
 from specd.verify import Verdict
 from services.common.errors import grpc_errors
 from services.common.model_service import ModelServicer, Outcome, queued
-from services.common.worker import DEFAULT_MAX_BATCH, EngineWorker
+from services.common.worker import Batching, EngineWorker
 from services.protogen.specd.v1 import target_pb2, target_pb2_grpc
 from services.target import convert
 
 
 class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
-    def __init__(self, engine: ModelEngine, name: str, worker: EngineWorker, max_batch: int = DEFAULT_MAX_BATCH):
+    def __init__(self, engine: ModelEngine, name: str, worker: EngineWorker, batching: Batching = Batching()):
         super().__init__(engine, name, worker)
         self.batcher = self.make_batcher(
-            self._prepare, partial(speculation.verify_batch, engine), self._answer, _span_name, max_batch
+            self._prepare, partial(speculation.verify_batch, engine), self._answer, _span_name, batching
         )
 
     @grpc_errors
