@@ -54,6 +54,7 @@ class VerifyReply:
     instance_id: str = ""
     compute_s: float = 0.0
     queued_s: float = 0.0  # waited for the model before the pass began: load, not the network
+    batch_size: int = 1  # sessions whose verifications shared the pass that compute_s timed
 
 
 class StaleSession(Exception):
@@ -306,6 +307,7 @@ def _observation(
         target_cold=verifying.cold,
         reused=drafting.reply.reused if drafting else 0,
         drafted_ahead=drafted_ahead,
+        target_shared=verifying.reply.batch_size > 1,
     )
 
 

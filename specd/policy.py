@@ -42,6 +42,13 @@ predict, and keeps pipelining while it is below PIPELINE_PAYS_BELOW. The first P
 measured rounds pipeline to learn it. Pipelined rounds' verify and RPC times are contended, so
 they do not enter verify(K) or the RTT.
 
+Shared passes: the target verifies concurrent sessions in one pass, and that pass's time
+covers all their rows. Learnt as this session's verify(K), it would price a two-draft prose
+round at what eight sessions' rows cost together (and fall back to plain steps that cost as
+much), so once the estimates are measured a shared pass's time is skipped, like a pipelined
+round's: K and the fallback are judged on the pass as it costs alone. Before that (a deployment
+under load from its first request) shared times are all there is, and rounds alone correct them.
+
 Calibration: S needs verify(0), the plain step time, which speculative rounds never measure.
 So a fresh state decodes plainly until verify(0) is measured, at most two rounds (the first
 one prefills the prompt, so it is cold): each still commits a token at plain speed. Should
@@ -119,6 +126,7 @@ class RoundObservation:
     target_cold: bool = False  # the target did: its verify_s is not a decode step
     reused: int = 0  # of the K drafts, those drafted ahead during the previous round (not in draft_s)
     drafted_ahead: bool = False  # the draft drafted ahead while the target verified this round
+    target_shared: bool = False  # other sessions' verifications shared the target's pass: verify_s timed theirs too
 
 
 @dataclass(frozen=True)
@@ -406,7 +414,7 @@ def _learn(
             ratio = _ewma(ratio, wall_s / round_time(est, obs.k, config), w if pipelined else 1.0)
             pipelined += 1
     else:
-        if not target_cold:
+        if not target_cold and not (obs.target_shared and is_measured(est)):
             verify_s = _learn_verify(est.verify_s, config.cost_k(obs.k), obs.verify_s, w)
         rtt = obs.rtt_s if est.observations == 0 else _ewma(est.rtt_s, obs.rtt_s, w)
     return Estimates(

@@ -358,6 +358,7 @@ def test_a_request_that_fails_in_a_batch_fails_alone(cluster):
         reply = convert.verify_reply(outcomes[session][1])
         assert reply.verdict == expected[session]
         assert reply.queued_s >= HELD_S > reply.compute_s  # the wait is reported as queueing, not as the pass
+        assert reply.batch_size == 4  # its compute_s timed the others' rows too
         assert reply.position == target.position(session) == len(prompt) + reply.verdict.num_accepted + 1
         assert target.tokens(session)[len(prompt):] == (*calls[session][1][: reply.verdict.num_accepted],
                                                         reply.verdict.next_token)

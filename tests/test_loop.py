@@ -5,11 +5,12 @@ fencing, fallback, and call counts."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 
 from specd.policy import PolicyConfig
-from specd.loop import Chunk, Finished, GenerationRequest, RoundRecord, Services, generate
+from specd.loop import Chunk, Finished, GenerationRequest, RoundRecord, Services, VerifyReply, generate
 from specd.sampling import SamplingParams
 from specd.session import Fenced
 from specd.stopping import StopRules
@@ -148,6 +149,30 @@ def test_time_queued_behind_other_sessions_is_not_counted_as_network_overhead(wa
     policy = done.session.policy
     assert (policy.estimates.rtt_s < 0.01) == wait_is_queue
     assert (policy.fallbacks == 0) == wait_is_queue
+
+
+class LoadedVerifier(FakeVerifier):
+    """Alone (a 10 ms pass) for its first calls; then every pass also verifies other sessions'
+    rows and takes 200 ms, reported as shared by `batch_size` sessions."""
+
+    def __init__(self, batch_size: int):
+        super().__init__(target_rule, compute_s=0.01)
+        self.batch_size = batch_size
+
+    async def verify(self, *args) -> VerifyReply:
+        reply = await super().verify(*args)
+        return reply if self.calls <= 4 else replace(reply, compute_s=0.2, batch_size=self.batch_size)
+
+
+@pytest.mark.parametrize("batch_size", [8, 1])
+def test_a_verification_sharing_its_pass_is_not_priced_at_the_whole_pass(batch_size):
+    """α = 1/3 pays with the 10 ms pass alone. A 200 ms pass shared by 8 sessions is load: the
+    session keeps speculating; the same 200 ms for this session alone makes it fall back."""
+    third = lambda prefix: target_rule(prefix) if len(prefix) % 3 == 0 else (target_rule(prefix) + 1) % 50  # noqa: E731
+    drafter = FakeDrafter(third, compute_s=1e-4)
+    done = run(GenerationRequest(PROMPT, StopRules(60), SamplingParams()), drafter, LoadedVerifier(batch_size))[-1]
+    assert list(done.token_ids) == target_alone(PROMPT, 60)
+    assert (done.session.policy.fallbacks == 0) == (batch_size > 1)
 
 
 def test_speculation_off_never_calls_the_draft():

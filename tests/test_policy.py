@@ -170,6 +170,18 @@ def test_rounds_marked_cold_teach_acceptance_only():
     assert after.alpha < before.alpha
 
 
+def test_a_pass_shared_with_other_sessions_is_timed_only_while_nothing_else_is_measured():
+    fresh = PolicyState()
+    shared = lambda k, seconds: RoundObservation(k, k, DRAFT_STEP * k, seconds, RTT, target_shared=True)  # noqa: E731
+    calibrating = observe(observe(fresh, shared(0, 1.0), CONFIG), shared(0, 2.0), CONFIG)
+    assert dict(calibrating.estimates.verify_s) == {0: 2.0}  # under load from the start: all there is
+    state = simulate(0.6, 8).state
+    before = state.estimates
+    after = observe(state, shared(state.k, 5.0), CONFIG).estimates  # eight sessions' rows in one pass
+    assert after.verify_s == before.verify_s and after.alpha > before.alpha and after.observations == before.observations + 1
+    assert not should_fall_back(after, CONFIG)
+
+
 def test_alpha_counts_only_the_drafts_the_target_judged():
     """At K = 4 and α = 0.83 the mean of accepted / K is about 0.64; the estimate must not be."""
     fixed = PolicyConfig(adaptive=False, default_k=4)

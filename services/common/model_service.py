@@ -48,6 +48,7 @@ class Done(Generic[R]):
     result: R
     compute_s: float  # the whole batch's model time: what this request waited on
     queued_s: float = 0.0  # from queueing to the start of its pass (other passes, the other service's turn)
+    batch_size: int = 1  # requests that shared the pass
 
 
 class ModelServicer:
@@ -98,7 +99,7 @@ class ModelServicer:
             finally:
                 self.metrics.engine_changed(self.engine)  # a sync may evict, even one that then fails
             compute_s = time.perf_counter() - start
-            return [_settle(span, outcome, compute_s, start - q.at) for span, outcome, q in zip(spans, settled, batch)]
+            return [_settle(span, outcome, compute_s, start - q.at, len(batch)) for span, outcome, q in zip(spans, settled, batch)]
 
         return Batcher(self.worker, run_batch, key=lambda queued: queued.call.session_id, batching=batching)
 
@@ -167,7 +168,7 @@ def _start_span(name: str, queued: Queued, batch_size: int) -> Span:
     return tracer.start_span(name, context=queued.parent, attributes=attributes)
 
 
-def _settle(span: Span, outcome: Outcome, compute_s: float, queued_s: float) -> Done | Exception:
+def _settle(span: Span, outcome: Outcome, compute_s: float, queued_s: float, batch_size: int) -> Done | Exception:
     try:
         if isinstance(outcome, Exception):
             span.record_exception(outcome)
@@ -175,6 +176,6 @@ def _settle(span: Span, outcome: Outcome, compute_s: float, queued_s: float) -> 
             return outcome
         result, attributes = outcome
         span.set_attributes(attributes)
-        return Done(result, compute_s, queued_s)
+        return Done(result, compute_s, queued_s, batch_size)
     finally:
         span.end()

@@ -66,10 +66,12 @@ def verify_response(reply: VerifyReply) -> target_pb2.VerifyResponse:
         instance_id=reply.instance_id,
         compute_s=reply.compute_s,
         queued_s=reply.queued_s,
+        batch_size=reply.batch_size,
     )
 
 
 def verify_reply(msg: target_pb2.VerifyResponse) -> VerifyReply:
     return VerifyReply(
-        Verdict(msg.num_accepted, msg.next_token), msg.position, msg.instance_id, msg.compute_s, msg.queued_s
+        Verdict(msg.num_accepted, msg.next_token), msg.position, msg.instance_id, msg.compute_s, msg.queued_s,
+        max(1, msg.batch_size),
     )

@@ -47,7 +47,7 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
         done = await self.batcher.submit(queued(call))
         self.metrics.model_step("verify" if call.proposal.tokens else "step", done.compute_s)
         verdict, position = done.result
-        return VerifyReply(verdict, position, self.engine.instance_id, done.compute_s, done.queued_s)
+        return VerifyReply(verdict, position, self.engine.instance_id, done.compute_s, done.queued_s, done.batch_size)
 
     def _prepare(self, call: convert.VerifyCall) -> speculation.Verification:
         self.sync_session(call.session_id, call.sync)
