@@ -196,18 +196,25 @@ def test_a_turn_waits_briefly_for_the_sessions_the_last_turns_took(wait):
         alone = await timed(batcher.submit("a3"))  # b is not coming: the turn waits out the 100 ms
         batcher.forget("b")
         forgotten = await timed(batcher.submit("a4"))  # b ended: no wait
-        return [alone, forgotten]
+        await asyncio.gather(batcher.submit("a5"), batcher.submit("b5"))
+
+        async def end_b() -> None:
+            await asyncio.sleep(0.02)
+            batcher.forget("b")
+
+        ending = await timed(batcher.submit("a6"), end_b())  # b ends while the turn waits for it
+        return [alone, forgotten, ending]
 
     try:
-        alone, forgotten = asyncio.run(main())
+        alone, forgotten, ending = asyncio.run(main())
     finally:
         worker.close()
     if wait:
-        assert seen == [["a1", "b1"], ["a2", "b2"], ["a3"], ["a4"]]
-        assert 0.58 < alone < 0.75 and forgotten < 0.58, (alone, forgotten)
-        assert batcher.waits == 2
+        assert seen == [["a1", "b1"], ["a2", "b2"], ["a3"], ["a4"], ["a5", "b5"], ["a6"]]
+        assert 0.58 < alone < 0.75 and forgotten < 0.58 and ending < 0.58, (alone, forgotten, ending)
+        assert batcher.waits == 3
     else:
-        assert seen == [["a1", "b1"], ["a2"], ["b2"], ["a3"], ["a4"]]
+        assert seen == [["a1", "b1"], ["a2"], ["b2"], ["a3"], ["a4"], ["a5", "b5"], ["a6"]]
         assert batcher.waits == 0
 
 

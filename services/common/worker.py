@@ -146,6 +146,7 @@ class Batcher(Generic[T, R]):
         """The key's session ended: turns stop waiting for it."""
         with self._arrived:
             self._seen.pop(key, None)
+            self._arrived.notify()  # a turn waiting for it stops waiting
 
     async def _drain(self) -> None:
         while self._queue:
@@ -200,13 +201,17 @@ class Batcher(Generic[T, R]):
         return keys
 
     def _gather(self, taken: list[tuple[T, asyncio.Future]], keys: set[Hashable]) -> None:
-        """Wait (holding `_arrived`) for the keys the last turns took and this one lacks."""
-        recent = set(self._seen)  # pruned to the last GATHER_TURNS turns
+        """Wait (holding `_arrived`) for the keys the last turns took and this one lacks, until
+        they come, are forgotten, or the wait is up."""
         deadline = time.monotonic() + self.batching.wait * self._pass_s
-        if not recent - keys or time.monotonic() >= deadline:
+
+        def missing() -> bool:  # _seen holds the keys of the last GATHER_TURNS turns
+            return bool(set(self._seen) - keys) and len(taken) < self.batching.max_batch
+
+        if not missing() or time.monotonic() >= deadline:
             return
         self.waits += 1
-        while recent - keys and len(taken) < self.batching.max_batch:
+        while missing():
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return
