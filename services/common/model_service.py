@@ -99,7 +99,8 @@ class ModelServicer:
             finally:
                 self.metrics.engine_changed(self.engine)  # a sync may evict, even one that then fails
             compute_s = time.perf_counter() - start
-            return [_settle(span, outcome, compute_s, start - q.at, len(batch)) for span, outcome, q in zip(spans, settled, batch)]
+            return [_settle(span, outcome, compute_s, start - q.at, len(batch))
+                    for span, outcome, q in zip(spans, settled, batch)]
 
         return Batcher(self.worker, run_batch, key=lambda queued: queued.call.session_id, batching=batching)
 

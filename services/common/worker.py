@@ -33,6 +33,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Generic, Hashable, TypeVar
 
+from specd.validation import validate_that
+
 T = TypeVar("T")
 R = TypeVar("R")
 DEFAULT_MAX_BATCH = 8
@@ -47,10 +49,8 @@ class Batching:
     wait: float = 0.1
 
     def validate(self) -> None:
-        if self.max_batch < 1:
-            raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
-        if not 0.0 <= self.wait <= 1.0:
-            raise ValueError(f"batch wait must be in [0, 1] (a fraction of a pass), got {self.wait}")
+        validate_that(self.max_batch >= 1, f"max_batch must be >= 1, got {self.max_batch}")
+        validate_that(0.0 <= self.wait <= 1.0, f"batch wait must be in [0, 1] (a fraction of a pass), got {self.wait}")
 
 
 class SharedCores:
