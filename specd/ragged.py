@@ -47,7 +47,7 @@ def forward(
     if not isinstance(model, Qwen2ForCausalLM):
         raise TypeError(f"the ragged forward follows Qwen2's layer layout, not {type(model).__name__}")
     base = model.model
-    bounds = _bounds([len(x) for x in inputs])
+    bounds = row_bounds([len(x) for x in inputs])
     device = base.embed_tokens.weight.device
     ids = torch.tensor([[t for x in inputs for t in x]], dtype=torch.long, device=device)  # [1, rows]
     hidden = base.embed_tokens(ids)  # [1, rows, hidden]
@@ -78,7 +78,7 @@ def forward(
     return list(logits.split(list(keep)))
 
 
-def _bounds(lengths: Sequence[int]) -> list[tuple[int, int]]:
+def row_bounds(lengths: Sequence[int]) -> list[tuple[int, int]]:
     """[start, end) of each sequence's rows in the concatenation."""
     ends = torch.tensor(lengths).cumsum(0).tolist()
     return [(end - n, end) for n, end in zip(lengths, ends)]

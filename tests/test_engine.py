@@ -14,7 +14,7 @@ from specd.engine import (
     SessionsFull,
     WrongThread,
 )
-from specd import ragged
+from specd import fused as fused_path, ragged
 from specd.tiny import build_tiny_pair
 
 PROMPT = [3, 17, 250, 42, 99, 7, 7, 128, 64, 5, 200]  # arbitrary byte-token ids (< 256)
@@ -332,6 +332,30 @@ def test_batched_forward_equals_one_session_at_a_time(tiny_pair, dtype, toleranc
         requests = [(session, [int(rows[-1].argmax())] * (i % 3))
                     for i, ((session, _), rows) in enumerate(zip(requests, got))]
 
+
+
+def test_the_fused_int8_draft_is_the_stock_int8_forward_bit_for_bit(tiny_pair):
+    fused, stock = (make_engine(tiny_pair[0], quantize="int8", fused_int8=on) for on in (True, False))
+    assert fused._fused is not None and stock._fused is None
+    requests = _mixed_sessions(stock)
+    assert _mixed_sessions(fused) == requests
+    for _ in range(3):  # later rounds run on caches the fused passes built
+        expected, got = stock.forward_many(requests), fused.forward_many(requests)
+        for (session, _), want, rows in zip(requests, expected, got):
+            assert torch.equal(rows, want), session
+            assert fused.tokens(session) == stock.tokens(session)
+            for mine, theirs in zip(fused._sessions[session].cache.layers, stock._sessions[session].cache.layers):
+                assert torch.equal(mine.keys, theirs.keys) and torch.equal(mine.values, theirs.values)
+        requests = [(session, [int(rows[-1].argmax())] * (i % 3)) for i, ((session, _), rows) in enumerate(zip(requests, got))]
+    newest = [(session, [7]) for session, _ in requests]
+    assert all(torch.equal(a, b) for a, b in zip(fused.forward_many(newest, newest_only=True),
+                                                 stock.forward_many(newest, newest_only=True)))
+
+
+def test_only_int8_qwen2_models_take_the_fused_path(tiny_pair):
+    assert not fused_path.supports(make_engine(tiny_pair[0]).model)  # float linears
+    with pytest.raises(TypeError, match="int8"):
+        fused_path.FusedDraft(make_engine(tiny_pair[0]).model)
 
 def test_a_batch_of_one_is_the_stock_forward_bit_for_bit(tiny_pair):
     engine = make_engine(tiny_pair[1])
