@@ -198,7 +198,7 @@ def hf_runs(cfg: BenchConfig, prompts: list[Prompt], draft_dir: Path, target_dir
 # --- through the services ------------------------------------------------------------------
 
 STAT_FIELDS = (
-    "rounds", "drafted_tokens", "accepted_tokens", "judged_tokens", "fallbacks",
+    "rounds", "drafted_tokens", "accepted_tokens", "judged_tokens", "fallbacks", "sibling_tokens",
     "draft_compute_s", "verify_compute_s", "round_wall_s",
 )
 
@@ -373,7 +373,8 @@ def _round_figures(runs: list[Measured], step_s: float) -> dict:
     return {
         "rounds": total["rounds"],
         "alpha": total["accepted_tokens"] / total["judged_tokens"] if total["judged_tokens"] else None,
-        "mean_acceptance_length": (total["accepted_tokens"] + total["rounds"]) / total["rounds"],
+        "mean_acceptance_length": (total["accepted_tokens"] + total["rounds"] + total["sibling_tokens"]) / total["rounds"],
+        "sibling_tokens": total["sibling_tokens"],
         "fallbacks": total["fallbacks"],
         "overhead_per_round_s": overhead,
         "overhead_fraction_of_target_step": overhead / step_s,
@@ -588,10 +589,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--core-turns", default="on", choices=("on", "off"),
                         help="the draft and target services take turns at the cores (specd up's default)")
     parser.add_argument("--draft-confidence", help="adaptive K's confidence stop (default: the coordinator's)")
+    parser.add_argument("--siblings", choices=("on", "off"), help="greedy siblings in spare rows (default: on)")
     args = parser.parse_args(argv)
     up_flags = ("--pipeline", args.pipeline, "--core-turns", args.core_turns) + tuple(
         ("--draft-confidence", args.draft_confidence) if args.draft_confidence is not None else ()
-    ) + tuple(
+    ) + tuple(("--siblings", args.siblings) if args.siblings else ()) + tuple(
         arg for role in ("draft", "target") if getattr(args, f"{role}_threads")
         for arg in (f"--{role}-threads", str(getattr(args, f"{role}_threads")))
     )

@@ -60,6 +60,8 @@ def main(argv: list[str] | None = None) -> None:
     settings.add(up, "--draft-confidence", help="adaptive K: the draft stops after a token it gave a probability "
                  "below this (0: off; default: the coordinator's)")
     settings.add(up, "--pipeline", default="off", help="off | on | auto: draft ahead while the target verifies")
+    settings.add(up, "--siblings", choices=("on", "off"), help="greedy: the target scores the draft's runner-up in "
+                 "spare rows (default: the coordinator's, on)")
     settings.add(up, "--inject-rtt-ms", type=float, default=0.0, help="benchmarks: delay every model-service call")
     settings.add(up, "--redis-url", help="session store; default: start a local redis-server")
     settings.add(up, "--http-port", type=int, default=8000, help="REST (OpenAI-compatible) port; -1: no REST")
@@ -180,6 +182,8 @@ def _run_services(args: argparse.Namespace, paths: dict[str, Path], redis_url: s
         commands["coordinator"] += ["--api-keys-file", str(args.api_keys_file)]
     if args.draft_confidence is not None:
         commands["coordinator"] += ["--draft-confidence", args.draft_confidence]
+    if args.siblings is not None:
+        commands["coordinator"] += ["--siblings", args.siblings]
     procs = {role: subprocess.Popen([sys.executable, *cmd]) for role, cmd in commands.items()}
     stopping = False
 

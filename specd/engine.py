@@ -105,8 +105,7 @@ class ModelEngine:
             if not on_cpu:
                 raise ValueError("quantize='int8' is a CPU option")
             model = kernels.quantize_int8(model)
-        if config.small_row_matmul and on_cpu:
-            kernels.use_small_row_matmul(model)
+        self._pads_rows = config.small_row_matmul and on_cpu and kernels.use_small_row_matmul(model) > 0
         self.model = model
         # the int8 draft's passes skip the module calls (specd/fused.py); same logits, a step ~25 % shorter
         self._fused = fused.FusedDraft(model) if config.fused_int8 and fused.supports(model) else None
@@ -193,7 +192,10 @@ class ModelEngine:
 
     @torch.inference_mode()
     def forward_many(
-        self, requests: Sequence[tuple[str, Sequence[int]]], newest_only: bool = False
+        self,
+        requests: Sequence[tuple[str, Sequence[int]]],
+        newest_only: bool = False,
+        siblings: Sequence[int | None] = (),
     ) -> list[torch.Tensor]:
         """`forward(session_id, extra)` for several sessions in ONE model pass (specd/ragged.py).
 
@@ -202,25 +204,45 @@ class ModelEngine:
         one leaves all sessions untouched. newest_only: return only the last row ([1, vocab], after
         the newest token), so a session whose cache already holds every token feeds just `extra`
         (drafting one token at a time then feeds one row a step, not two).
+
+        siblings[i]: a token scored in place of extra[0] in one more row (`ragged.Branch`); its
+        logits come last ([len(extra) + 2, vocab]) and it joins neither the tokens nor the cache.
         """
         if not requests:
             return []
+        siblings = list(siblings) or [None] * len(requests)
+        if len(siblings) != len(requests):
+            raise ValueError("one sibling (or None) per request")
         session_ids = [session_id for session_id, _ in requests]
         if len(set(session_ids)) != len(session_ids):
             raise ValueError("a batch holds each session at most once")
-        for session_id, extra in requests:
+        for (session_id, extra), sibling in zip(requests, siblings):
             self.check_forward(session_id, extra)
+            if sibling is not None:
+                self._check_sibling(extra, sibling, newest_only)
         prepared = [self._prepare(session_id, extra, refeed=not newest_only) for session_id, extra in requests]
         sessions = [session for session, _ in prepared]
         keep = [1 if newest_only else len(extra) + 1 for _, extra in requests]
+        branches = [ragged.Branch(sibling, len(new) - len(extra)) if sibling is not None else None
+                    for (_, new), (_, extra), sibling in zip(prepared, requests, siblings)]
         try:
-            logits = self._ragged_forward([s.cache for s in sessions], [new for _, new in prepared], keep)
+            logits = self._ragged_forward([s.cache for s in sessions], [new for _, new in prepared], keep, branches)
         except BaseException:
             self._reset_caches(sessions)
             raise
         for session, (_, extra) in zip(sessions, requests):
             session.tokens.extend(extra)
-        return [rows.float().cpu() for rows in logits]  # each [len(extra) + 1, vocab]
+        return [rows.float().cpu() for rows in logits]  # each [len(extra) + 1 (+ 1 with a sibling), vocab]
+
+    def spare_rows(self, requests: Sequence[tuple[str, Sequence[int]]]) -> int:
+        """Sibling rows a `forward_many(requests)` pass could add at no cost: the small-row path
+        pads the rows to its block (specd/kernels.py), so rows up to the block are paid for anyway.
+        0 off that path (GPU, the fused draft), past its row limit, or with sliding-window layers
+        (a branch row attends to its whole prefix)."""
+        if not self._pads_rows or self.model.model.has_sliding_layers:
+            return 0
+        fed = sum(self._rows_to_feed(session_id, extra) for session_id, extra in requests)
+        return kernels.padded_rows(fed) - fed if fed <= kernels.SMALL_ROWS else 0
 
     def truncate(self, session_id: str, pos: int) -> None:
         """Drop tokens from `pos` on. Idempotent; pos >= length (or an unknown session) is a no-op."""
@@ -237,10 +259,21 @@ class ModelEngine:
 
     # -- helpers ------------------------------------------------------------------------------
 
-    def _ragged_forward(self, caches, inputs, keep) -> list[torch.Tensor]:
-        if self._fused is not None:
+    def _ragged_forward(self, caches, inputs, keep, branches) -> list[torch.Tensor]:
+        if self._fused is not None and not any(branches):
             return self._fused.forward(caches, inputs, keep)
-        return ragged.forward(self.model, caches, inputs, keep)
+        return ragged.forward(self.model, caches, inputs, keep, branches)
+
+    def _check_sibling(self, extra: Sequence[int], sibling: int, newest_only: bool) -> None:
+        self._check_tokens([sibling])
+        if newest_only or not extra or sibling == extra[0]:
+            raise ValueError("a sibling stands beside the first of at least one new token, and differs from it")
+
+    def _rows_to_feed(self, session_id: str, extra: Sequence[int]) -> int:
+        """Rows `forward_many([(session_id, extra)])` would feed: the pending tokens (the last one
+        again when none is: `_prepare` keeps it pending), then extra."""
+        session = self._sessions[session_id]
+        return len(session.tokens) - min(session.cache.get_seq_length(), len(session.tokens) - 1) + len(extra)
 
     def _touch(self, session_id: str, create: bool = False) -> _Session:
         """Return the session marked most recently used, creating it (maybe evicting) if asked."""

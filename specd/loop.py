@@ -184,6 +184,8 @@ async def generate(
                     ))
                 drafted: DraftReply | None = drafting and drafting.reply
                 proposal = drafted.proposal if drafted else EMPTY_PROPOSAL
+                if not request.policy.siblings:
+                    proposal = replace(proposal, sibling=None)
                 k = len(proposal.tokens)  # a confidence stop may have drafted fewer
                 # 2. verify
                 verifying = await _call(
@@ -192,7 +194,7 @@ async def generate(
                 verified: VerifyReply = verifying.reply
                 a = verified.verdict.num_accepted
                 # 3. commit what the stop rules let through
-                emitted, text = _apply_stop_rules(checker, proposal.tokens[:a] + (verified.verdict.next_token,))
+                emitted, text = _apply_stop_rules(checker, verified.verdict.committed(proposal.tokens))
                 committed.extend(emitted)
                 # 4. rollback: pure bookkeeping; the draft's valid prefix ends after the accepted drafts
                 if drafted:
@@ -206,6 +208,7 @@ async def generate(
                 round_stats = SessionStats().record(
                     k, a, policy.fallbacks - state.policy.fallbacks, draft.resyncs + target.resyncs - resyncs,
                     observation.draft_s, observation.verify_s, observation.reused,
+                    sibling_tokens=int(verified.verdict.after_sibling is not None),
                 )
                 span.set_attributes(_round_attributes(stats.rounds, observation, len(committed), policy.mode))
                 stats += round_stats

@@ -91,6 +91,7 @@ class PolicyConfig:
     pipeline: str = "off"  # draft ahead while the target verifies: off | on | auto (the cost model decides)
     row_blocks: tuple[int, ...] = ()  # row counts the target computes verifications at, ascending; () = as fed
     min_confidence: float = 0.0  # confidence stop: drafting ends after a draft with q(token) below this
+    siblings: bool = True  # greedy: send the draft's runner-up for the target's spare rows (specd/verify.py)
 
     def validate(self) -> None:
         validate_that(self.max_k >= 1, f"max_k must be >= 1, got {self.max_k}")

@@ -39,11 +39,12 @@ class SessionStats:
     verify_compute_s: float = 0.0  # model time the target service reported (plain steps included)
     round_wall_s: float = 0.0  # the coordinator's wall time for its rounds, store saves included
     reused: int = 0  # drafts the draft had made ahead during the previous round (pipelining's won bets)
+    sibling_tokens: int = 0  # tokens committed after a recovered sibling (specd/verify.py): one per sibling won
 
     @property
     def mean_acceptance_length(self) -> float:
         """Tokens committed per target call; includes the recovered/bonus token (as vLLM counts)."""
-        return (self.accepted + self.rounds) / self.rounds if self.rounds else 0.0
+        return (self.accepted + self.rounds + self.sibling_tokens) / self.rounds if self.rounds else 0.0
 
     def record(
         self,
@@ -54,10 +55,12 @@ class SessionStats:
         draft_s: float = 0.0,
         verify_s: float = 0.0,
         reused: int = 0,
+        sibling_tokens: int = 0,
     ) -> "SessionStats":
         judged = accepted + (1 if accepted < k else 0)
         return self + SessionStats(
-            1, k, accepted, (1,) * accepted, (1,) * k, fallbacks, resyncs, judged, draft_s, verify_s, reused=reused
+            1, k, accepted, (1,) * accepted, (1,) * k, fallbacks, resyncs, judged, draft_s, verify_s, reused=reused,
+            sibling_tokens=sibling_tokens,
         )
 
     def __add__(self, other: "SessionStats") -> "SessionStats":
@@ -74,6 +77,7 @@ class SessionStats:
             self.verify_compute_s + other.verify_compute_s,
             self.round_wall_s + other.round_wall_s,
             self.reused + other.reused,
+            self.sibling_tokens + other.sibling_tokens,
         )
 
 

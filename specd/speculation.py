@@ -115,8 +115,9 @@ def draft_batch(engine: "ModelEngine", draftings: Sequence[Drafting]) -> list[tu
         _DraftRequest(d.call.session_id, d.call.K - len(d.held.tokens), d.call.params, d.call.min_confidence)
         for d in draftings
     ])
-    return [(Proposal(d.held.tokens + new.tokens, d.held.q + new.q), len(d.held.tokens))
-            for d, new in zip(draftings, fresh)]
+    # A sibling stands beside the proposal's first draft: one made ahead has none.
+    return [(Proposal(d.held.tokens + new.tokens, d.held.q + new.q, None if d.held.tokens else new.sibling),
+             len(d.held.tokens)) for d, new in zip(draftings, fresh)]
 
 
 def propose_after(engine: "ModelEngine", call: DraftCall) -> tuple[Proposal, int]:
@@ -145,6 +146,7 @@ def _draft(engine: "ModelEngine", requests: Sequence[_DraftRequest]) -> list[Pro
          for r, n in zip(requests, starts)]
     tokens: list[list[int]] = [[] for _ in requests]
     rows: list[list[sparse.SparseDist]] = [[] for _ in requests]
+    siblings: list[int | None] = [None for _ in requests]
     drafting = [j for j, r in enumerate(requests) if r.K > 0]
     while drafting:
         logits = engine.forward_many([(requests[j].session_id, tokens[j][-1:]) for j in drafting], newest_only=True)
@@ -152,6 +154,8 @@ def _draft(engine: "ModelEngine", requests: Sequence[_DraftRequest]) -> list[Pro
         for j, last in zip(drafting, logits):  # last: [1, vocab], after the newest token
             request, i = requests[j], len(tokens[j])
             token, row, q_token = _next_draft(engine, request, last, u[j][i] if u[j] else 0.0)
+            if i == 0 and request.params.greedy:
+                siblings[j] = int(last[0].topk(2).indices[1])  # the runner-up to the first draft
             tokens[j].append(token)
             if row is not None:
                 rows[j].append(row)
@@ -162,7 +166,7 @@ def _draft(engine: "ModelEngine", requests: Sequence[_DraftRequest]) -> list[Pro
     for r, n, drafted in zip(requests, starts, tokens):
         if drafted:
             engine.sync(r.session_id, n + len(drafted) - 1, drafted[-1:])
-    return [Proposal(tuple(t), tuple(r)) for t, r in zip(tokens, rows)]
+    return [Proposal(tuple(t), tuple(r), sibling) for t, r, sibling in zip(tokens, rows, siblings)]
 
 
 def _next_draft(
@@ -194,6 +198,8 @@ def prepare_verification(
     engine: "ModelEngine", session_id: str, proposal: Proposal, params: SamplingParams
 ) -> Verification:
     """Check everything about one request that could fail it (before any model work)."""
+    if proposal.sibling is not None:
+        _check_sibling(engine, proposal, params)
     q = None if params.greedy else _dense_q(proposal, engine.vocab_size)  # [K, vocab]
     engine.check_forward(session_id, proposal.tokens)
     return Verification(session_id, proposal, params, engine.position(session_id), q)
@@ -201,9 +207,17 @@ def prepare_verification(
 
 def verify_batch(engine: "ModelEngine", verifications: Sequence[Verification]) -> list[Verdict]:
     """Score every session's drafts in ONE target forward, decide each session alone, and leave each
-    at its new committed length. Sessions may differ in length, K (0 is a plain step) and params."""
-    logits = engine.forward_many([(v.session_id, v.proposal.tokens) for v in verifications])  # each [K+1, vocab]
-    return [_decide(engine, v, rows) for v, rows in zip(verifications, logits)]
+    at its new committed length. Sessions may differ in length, K (0 is a plain step) and params.
+    Siblings take the rows the pass pads to anyway (`ModelEngine.spare_rows`), in batch order."""
+    requests = [(v.session_id, v.proposal.tokens) for v in verifications]
+    spare = engine.spare_rows(requests)
+    siblings = []
+    for v in verifications:
+        scored = v.proposal.sibling is not None and spare > 0
+        spare -= scored
+        siblings.append(v.proposal.sibling if scored else None)
+    logits = engine.forward_many(requests, siblings=siblings)  # each [K+1 (+1 with a sibling), vocab]
+    return [_decide(engine, v, rows, sibling) for v, rows, sibling in zip(verifications, logits, siblings)]
 
 
 def verify_proposal(
@@ -219,19 +233,29 @@ def verify_proposal(
     return verify_batch(engine, [prepare_verification(engine, session_id, proposal, params)])[0]
 
 
-def _decide(engine: "ModelEngine", v: Verification, logits: torch.Tensor) -> Verdict:
-    """The pure verify math on one session's rows (logits: [K+1, vocab]), then its rollback."""
+def _decide(engine: "ModelEngine", v: Verification, logits: torch.Tensor, sibling: int | None) -> Verdict:
+    """The pure verify math on one session's rows (logits: [K+1, vocab], then the sibling's row
+    when it was scored), then its rollback."""
     n, K = v.position, len(v.proposal.tokens)
     if v.q is None:
-        verdict = verify_greedy(v.proposal.tokens, logits)
+        verdict = verify_greedy(v.proposal.tokens, logits, sibling)
     else:
         p = warp(logits, v.params)  # [K+1, vocab]
         u_accept = uniforms(v.params.seed, ACCEPT_STREAM, range(n, n + K))
         u_sample = uniforms(v.params.seed, SAMPLE_STREAM, range(n, n + K + 1))
         verdict = verify(v.proposal.tokens, v.q, p, u_accept, u_sample)
     # Rollback is bookkeeping: keep the accepted prefix, append the recovered/bonus token.
-    engine.sync(v.session_id, n + verdict.num_accepted, [verdict.next_token])
+    engine.sync(v.session_id, n, verdict.committed(v.proposal.tokens))
     return verdict
+
+
+def _check_sibling(engine: "ModelEngine", proposal: Proposal, params: SamplingParams) -> None:
+    if not params.greedy:
+        raise ValueError("a sibling is for greedy verification only")
+    if not proposal.tokens or proposal.sibling == proposal.tokens[0]:
+        raise ValueError("a sibling stands beside a first draft token and differs from it")
+    if not 0 <= proposal.sibling < engine.vocab_size:
+        raise ValueError(f"the sibling must be a token id in [0, {engine.vocab_size})")
 
 
 def _dense_q(proposal: Proposal, vocab_size: int) -> torch.Tensor:

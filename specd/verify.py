@@ -3,6 +3,13 @@
 Vocabulary as in vLLM: *accepted* draft tokens, the *recovered* token drawn from the
 residual norm(max(0, p - q)) at the first rejection, the *bonus* token drawn from p at
 position K+1 when all K drafts are accepted. Pure functions on tensors.
+
+A greedy proposal may carry a *sibling*: the draft's second choice for the first position,
+scored by the target in one more row of the same pass (a row that sees the prefix, not the
+drafts; SpecInfer's token tree at its smallest). When the first draft is rejected and the
+target's own token is the sibling, the sibling's row gives the token after it too: the round
+commits two tokens instead of one. Greedy only: the target's argmax decides every token, so
+the output is still the target's.
 """
 
 from __future__ import annotations
@@ -20,23 +27,37 @@ from specd.sparse import SparseDist
 class Proposal:
     tokens: tuple[int, ...]  # [K] drafted tokens
     q: tuple[SparseDist, ...]  # [K] rows the drafts were sampled from; empty when greedy
+    sibling: int | None = None  # greedy: the draft's second choice for the first position
 
 
 @dataclass(frozen=True)
 class Verdict:
     num_accepted: int  # accepted draft tokens, 0..K
     next_token: int  # recovered token (num_accepted < K) or bonus token (num_accepted == K)
+    after_sibling: int | None = None  # the recovered token was the scored sibling: the target's token after it
+
+    def committed(self, draft_tokens: Sequence[int]) -> tuple[int, ...]:
+        """The tokens the round commits: the accepted drafts, then the recovered/bonus token (and
+        the token after a recovered sibling)."""
+        tail = (self.next_token,) if self.after_sibling is None else (self.next_token, self.after_sibling)
+        return tuple(draft_tokens[: self.num_accepted]) + tail
 
 
-def verify_greedy(draft_tokens: Sequence[int], p_logits: torch.Tensor) -> Verdict:
-    """Accept drafts while they equal the target's argmax. p_logits: [K+1, vocab]."""
-    target_tokens = p_logits.argmax(-1).tolist()  # [K+1]
+def verify_greedy(draft_tokens: Sequence[int], p_logits: torch.Tensor, sibling: int | None = None) -> Verdict:
+    """Accept drafts while they equal the target's argmax. p_logits: [K+1, vocab], then the
+    sibling's row when a sibling was scored ([K+2, vocab])."""
+    K = len(draft_tokens)
+    if sibling is not None and (K == 0 or p_logits.shape[0] != K + 2):
+        raise ValueError("a sibling needs at least one draft and its own row after the K + 1 rows")
+    target_tokens = p_logits.argmax(-1).tolist()  # [K+1] (+ the token after the sibling)
     num_accepted = 0
     for drafted, wanted in zip(draft_tokens, target_tokens):
         if drafted != wanted:
             break
         num_accepted += 1
-    return Verdict(num_accepted, target_tokens[num_accepted])
+    recovered = target_tokens[num_accepted]
+    sibling_won = sibling is not None and num_accepted == 0 and recovered == sibling
+    return Verdict(num_accepted, recovered, target_tokens[K + 1] if sibling_won else None)
 
 
 def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

@@ -79,6 +79,7 @@ class FakeService:
 @dataclass
 class FakeDrafter(FakeService):
     confidence: Callable[[Sequence[int]], float] = lambda prefix: 1.0  # the draft's probability of its next token
+    runner_up: NextToken | None = None  # greedy: its second choice after a prefix, offered as a sibling
 
     async def propose(
         self, session_id: str, sync: SyncPoint, k: int, params: SamplingParams, lookahead: int = 0,
@@ -92,21 +93,32 @@ class FakeDrafter(FakeService):
             if not sure:
                 break
         drafted = len(tokens) - position
-        proposal = Proposal(tuple(tokens[position:]), ())
+        sibling = self.runner_up(tokens[:position]) if self.runner_up and drafted and params.greedy else None
+        proposal = Proposal(tuple(tokens[position:]), (), None if drafted and sibling == tokens[position] else sibling)
         return DraftReply(proposal, position, self.instance_id, self.compute_s * drafted, 0, await self._wait())
 
 
+@dataclass
 class FakeVerifier(FakeService):
+    siblings: list[int | None] = field(default_factory=list)  # the sibling of every proposal verified
+
     async def verify(self, session_id: str, sync: SyncPoint, proposal: Proposal, params: SamplingParams) -> VerifyReply:
         tokens = self._sync(session_id, sync)
+        self.siblings.append(proposal.sibling)
         accepted = 0
         for drafted in proposal.tokens:
             if drafted != self.rule(tokens):
                 break
             tokens.append(drafted)
             accepted += 1
-        tokens.append(self.rule(tokens))
-        return VerifyReply(Verdict(accepted, tokens[-1]), len(tokens), self.instance_id, self.compute_s, await self._wait())
+        wanted = self.rule(tokens)
+        tokens.append(wanted)
+        after = None
+        if accepted == 0 and proposal.sibling is not None and wanted == proposal.sibling:  # as if in a spare row
+            after = self.rule(tokens)
+            tokens.append(after)
+        return VerifyReply(Verdict(accepted, wanted, after), len(tokens), self.instance_id, self.compute_s,
+                           await self._wait())
 
 
 @dataclass

@@ -71,6 +71,18 @@ def test_greedy_output_is_token_identical_to_the_target_alone(stub, cluster, ref
         assert sum(s.accepted_per_position) == s.accepted_tokens <= s.drafted_tokens
 
 
+def test_won_siblings_keep_greedy_output_identical_and_are_counted(stub, cluster, reference):
+    """K = 2 verifies 3 rows, which the target's pass pads to 4: the spare row scores a sibling."""
+    won = 0
+    for prompt in PROMPTS:
+        expected = reference(cluster.model.encode(prompt), N_TOKENS)
+        reply = complete(stub, prompt, max_tokens=N_TOKENS, num_draft_tokens=2, ignore_eos=True)
+        assert list(reply.token_ids) == expected, prompt
+        s = reply.stats
+        assert s.completion_tokens == s.accepted_tokens + s.rounds + s.sibling_tokens
+        won += s.sibling_tokens
+    assert won > 0, "the tiny pair's runner-up should be the target's token sometimes"
+
 def test_streamed_chunks_add_up_to_the_completion(stub):
     request = coordinator_pb2.GenerateRequest(text=PROMPTS[0], max_tokens=N_TOKENS, num_draft_tokens=3, ignore_eos=True)
     chunks = list(stub.Generate(request, timeout=60))
@@ -95,7 +107,9 @@ def test_both_caches_and_the_redis_record_follow_the_committed_length_every_roun
         target, draft = cluster.target_engine, cluster.draft_engine
         assert record.target_position == record.committed_length == len(committed)
         assert target.position(session) == len(committed) and list(target.tokens(session)) == committed
-        assert target.kv_length(session) == len(committed) - 1  # the newest token is fed next round
+        won_sibling = record.committed_length - n == record.num_accepted + 2  # the sibling and the token after it
+        # the newest token is fed next round (and the sibling before it, which never entered the cache)
+        assert target.kv_length(session) == len(committed) - 1 - won_sibling
         if record.draft_position is not None:
             assert record.draft_position == n  # the draft synced to exactly the committed length
             valid = n + record.num_accepted

@@ -62,6 +62,9 @@ class CoordinatorMetrics:
         self.fallbacks = Counter(
             "specd:spec_decode_fallbacks", "Switches from speculative to plain decoding", registry=r
         )
+        self.sibling_tokens = Counter(
+            "specd:spec_decode_num_sibling_tokens", "Tokens committed after a recovered sibling (greedy)", registry=r
+        )
         self.ttft = Histogram(
             "specd:time_to_first_token_seconds", "Request start to its first token", buckets=TTFT_BUCKETS, registry=r
         )
@@ -123,6 +126,7 @@ class RequestTracker:
             accepted = stats.accepted_per_position[position] if position < len(stats.accepted_per_position) else 0
             m.accepted_per_pos.labels(str(position)).inc(accepted)
         m.fallbacks.inc(stats.fallbacks)
+        m.sibling_tokens.inc(stats.sibling_tokens)
 
 
 class ModelMetrics:

@@ -74,6 +74,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                       "cpu (the CPU small-row kernels), none (a target that does not pad), or a list like 1,2,4,8,16")
     settings.add(parser, "--draft-confidence", type=confidence, default=Limits.min_confidence,
                  help="adaptive K: the draft stops after a token it gave a probability below this (0: off)")
+    settings.add(parser, "--siblings", default="on", choices=("on", "off"),
+                 help="greedy rounds send the draft's runner-up for the first position, which the target scores "
+                      "in rows its pass pads to anyway (off: never)")
     settings.add(parser, "--inject-rtt-ms", type=float, default=0.0,
                  help="benchmarks: add this round-trip delay to every model-service call")
     settings.add(parser, "--http-port", type=int, default=DEFAULT_HTTP_PORT, help="REST (OpenAI) port; -1: no REST")
@@ -99,7 +102,7 @@ async def serve(args: argparse.Namespace) -> None:
     model = load_model_info(args.model_dir)
     limits = Limits(
         default_k=args.default_k, max_k=args.max_k, pipeline=args.pipeline, row_blocks=_row_blocks(args),
-        min_confidence=args.draft_confidence,
+        min_confidence=args.draft_confidence, siblings=args.siblings == "on",
     )
     drafter, verifier = GrpcDrafter(args.draft_addr.split(",")), GrpcVerifier(args.target_addr.split(","))
     if args.inject_rtt_ms:

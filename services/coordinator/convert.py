@@ -51,6 +51,7 @@ def stats_to_proto(
         verify_compute_s=stats.verify_compute_s,
         round_wall_s=stats.round_wall_s,
         reused_drafts=stats.reused,
+        sibling_tokens=stats.sibling_tokens,
         mode=mode,
     )
 

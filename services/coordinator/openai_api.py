@@ -218,6 +218,7 @@ def stats_json(stats: SessionStats) -> dict:
         "verify_compute_s": stats.verify_compute_s,
         "round_wall_s": stats.round_wall_s,
         "reused_drafts": stats.reused,
+        "sibling_tokens": stats.sibling_tokens,
     }
 
 

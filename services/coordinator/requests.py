@@ -29,6 +29,7 @@ class Limits:
     pipeline: str = "off"  # draft ahead while the target verifies: off | on | auto (specd.policy)
     row_blocks: tuple[int, ...] = ()  # row counts the target pads verifications to (specd.policy)
     min_confidence: float = 0.4  # adaptive K's confidence stop (specd.policy), as transformers' default
+    siblings: bool = True  # greedy rounds send the draft's runner-up for the target's spare rows
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,7 @@ def generation_request(req: ClientRequest, model: ModelInfo, limits: Limits) -> 
     rules = StopRules(max_tokens, req.stop, model.eos_token_ids, req.ignore_eos)
     policy = PolicyConfig(
         max_k=max_k, default_k=min(limits.default_k, max_k), pipeline=limits.pipeline, row_blocks=limits.row_blocks,
-        min_confidence=limits.min_confidence,
+        min_confidence=limits.min_confidence, siblings=limits.siblings,
     )
     return GenerationRequest(tuple(prompt), rules, params, policy, fixed_k)
 

@@ -52,9 +52,10 @@ def propose_response(reply: DraftReply) -> draft_pb2.ProposeResponse:
         compute_s=reply.compute_s,
         reused=reply.reused,
         queued_s=reply.queued_s,
+        sibling=reply.proposal.sibling,
     )
 
 
 def draft_reply(msg: draft_pb2.ProposeResponse) -> DraftReply:
-    proposal = Proposal(tuple(msg.tokens), common.dists_from_proto(msg.q))
+    proposal = Proposal(tuple(msg.tokens), common.dists_from_proto(msg.q), common.optional(msg, "sibling"))
     return DraftReply(proposal, msg.position, msg.instance_id, msg.compute_s, msg.reused, msg.queued_s)

@@ -26,7 +26,7 @@ def verify_call(msg: target_pb2.VerifyRequest) -> VerifyCall:
     return VerifyCall(
         common.session_id(msg.session_id),
         common.sync_from_proto(msg.sync),
-        Proposal(tuple(msg.draft_tokens), common.dists_from_proto(msg.q)),
+        Proposal(tuple(msg.draft_tokens), common.dists_from_proto(msg.q), common.optional(msg, "sibling")),
         common.params_from_proto(msg.sampling),
     )
 
@@ -49,6 +49,7 @@ def verify_request(
         draft_tokens=proposal.tokens,
         q=common.dists_to_proto(proposal.q),
         sampling=common.params_to_proto(params),
+        sibling=proposal.sibling,
     )
 
 
@@ -67,11 +68,12 @@ def verify_response(reply: VerifyReply) -> target_pb2.VerifyResponse:
         compute_s=reply.compute_s,
         queued_s=reply.queued_s,
         batch_size=reply.batch_size,
+        after_sibling=reply.verdict.after_sibling,
     )
 
 
 def verify_reply(msg: target_pb2.VerifyResponse) -> VerifyReply:
     return VerifyReply(
-        Verdict(msg.num_accepted, msg.next_token), msg.position, msg.instance_id, msg.compute_s, msg.queued_s,
+        Verdict(msg.num_accepted, msg.next_token, common.optional(msg, "after_sibling")), msg.position, msg.instance_id, msg.compute_s, msg.queued_s,
         max(1, msg.batch_size),
     )

@@ -55,7 +55,7 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
 
     def _answer(self, verification: speculation.Verification, verdict: Verdict) -> Outcome[tuple[Verdict, int]]:
         attributes = {"specd.k": len(verification.proposal.tokens), "specd.position": verification.position,
-                      "specd.accepted": verdict.num_accepted}
+                      "specd.accepted": verdict.num_accepted, "specd.sibling_won": verdict.after_sibling is not None}
         return (verdict, self.engine.position(verification.session_id)), attributes
 
 

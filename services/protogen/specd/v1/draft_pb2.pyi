@@ -24,7 +24,7 @@ class ProposeRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., sync: _Optional[_Union[_common_pb2.SyncPoint, _Mapping]] = ..., k: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., lookahead: _Optional[int] = ..., min_confidence: _Optional[float] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
-    __slots__ = ("tokens", "q", "position", "instance_id", "compute_s", "reused", "queued_s")
+    __slots__ = ("tokens", "q", "position", "instance_id", "compute_s", "reused", "queued_s", "sibling")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     Q_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
@@ -32,6 +32,7 @@ class ProposeResponse(_message.Message):
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     REUSED_FIELD_NUMBER: _ClassVar[int]
     QUEUED_S_FIELD_NUMBER: _ClassVar[int]
+    SIBLING_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     q: _containers.RepeatedCompositeFieldContainer[_common_pb2.SparseDist]
     position: int
@@ -39,4 +40,5 @@ class ProposeResponse(_message.Message):
     compute_s: float
     reused: int
     queued_s: float
-    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[_common_pb2.SparseDist, _Mapping]]] = ..., position: _Optional[int] = ..., instance_id: _Optional[str] = ..., compute_s: _Optional[float] = ..., reused: _Optional[int] = ..., queued_s: _Optional[float] = ...) -> None: ...
+    sibling: int
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[_common_pb2.SparseDist, _Mapping]]] = ..., position: _Optional[int] = ..., instance_id: _Optional[str] = ..., compute_s: _Optional[float] = ..., reused: _Optional[int] = ..., queued_s: _Optional[float] = ..., sibling: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,121 @@
+"""Siblings: the draft's runner-up for the first position, scored by the target in a row its
+pass pads to anyway (specd/verify.py, specd/ragged.py `Branch`, `speculation.verify_batch`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specd import speculation
+from specd.engine import EngineConfig, ModelEngine
+from specd.sampling import SamplingParams
+from specd.verify import Proposal, Verdict, verify_greedy
+from tests.conftest import greedy_reference
+
+PROMPT = [3, 17, 250, 42, 99, 7, 7, 128, 64, 5, 200]
+GREEDY = SamplingParams()
+
+
+def engine(model_dir, **kwargs) -> ModelEngine:
+    return ModelEngine(EngineConfig(model_dir, **kwargs))
+
+
+def cached(e: ModelEngine, session: str, tokens=PROMPT) -> ModelEngine:
+    e.sync(session, 0, tokens)
+    e.forward(session)  # the prefix cached: a later verification may carry a sibling
+    return e
+
+
+def rows(*argmaxes: int, vocab: int = 10) -> torch.Tensor:
+    return torch.nn.functional.one_hot(torch.tensor(argmaxes), vocab).double()  # [len(argmaxes), vocab]
+
+
+# -- the pure decision ---------------------------------------------------------------------------
+
+
+def test_a_recovered_sibling_commits_the_token_after_it_too():
+    drafts = [5, 6]
+    won = verify_greedy(drafts, rows(7, 1, 2, 9), sibling=7)  # first draft rejected, the target wants 7
+    assert won == Verdict(0, 7, after_sibling=9) and won.committed(drafts) == (7, 9)
+    lost = verify_greedy(drafts, rows(7, 1, 2, 9), sibling=8)
+    assert lost == Verdict(0, 7) and lost.committed(drafts) == (7,)
+    accepted = verify_greedy([7, 6], rows(7, 1, 2, 9), sibling=8)  # the first draft itself was right
+    assert accepted == Verdict(1, 1) and accepted.committed([7, 6]) == (7, 1)
+    assert verify_greedy(drafts, rows(7, 1, 2)) == Verdict(0, 7)  # no sibling scored: as before
+    with pytest.raises(ValueError, match="row"):
+        verify_greedy(drafts, rows(7, 1, 2), sibling=7)  # a sibling needs its own row
+
+
+# -- the engine: one more row, seen by nobody, kept by nobody ---------------------------------------
+
+
+def test_a_sibling_row_sees_only_the_prefix_and_changes_nothing_else(tiny_pair):
+    drafts, sibling = [11, 12], 13
+    plain, branched, alone = (cached(engine(tiny_pair[1], dtype="float64"), "s") for _ in range(3))
+    assert branched.spare_rows([("s", drafts)]) == 1  # the last token again + 2 drafts: 3 rows, padded to 4
+    without = plain.forward_many([("s", drafts)])[0]  # [3, vocab]
+    with_sibling = branched.forward_many([("s", drafts)], siblings=[sibling])[0]  # [4, vocab]
+    # the same rows (elementwise kernels round by the row count, as in any batch: float64 shows it is only that)
+    torch.testing.assert_close(with_sibling[:3], without, rtol=1e-12, atol=1e-12)
+    assert branched.tokens("s") == plain.tokens("s") and branched.kv_length("s") == plain.kv_length("s")
+    torch.testing.assert_close(with_sibling[3], alone.forward("s", [sibling])[-1], rtol=1e-12, atol=1e-12)
+    # its KV never entered the cache: the next pass is as if it had never been scored
+    torch.testing.assert_close(branched.forward_many([("s", [])])[0], plain.forward_many([("s", [])])[0], rtol=1e-12, atol=1e-12)
+
+
+def test_the_engine_refuses_a_sibling_it_cannot_score(tiny_pair):
+    e = cached(engine(tiny_pair[1]), "s")
+    for requests, siblings in ([("s", [11, 12])], [11]), ([("s", [])], [11]), ([("s", [11])], [e.vocab_size]):
+        with pytest.raises(ValueError, match="sibling|token ids"):
+            e.forward_many(requests, siblings=siblings)
+    assert e.tokens("s") == tuple(PROMPT)
+    assert engine(tiny_pair[0], quantize="int8").spare_rows([]) == 0  # no padded path: no spare rows
+
+
+# -- one round through speculation ---------------------------------------------------------------
+
+
+def test_a_won_sibling_commits_the_targets_next_two_tokens(tiny_pair):
+    y = greedy_reference(tiny_pair[1])(PROMPT, 2)  # the target alone: y[0], y[1]
+    wrong = (y[0] + 1) % 256
+    e = cached(engine(tiny_pair[1], dtype="float64"), "s")
+    proposal = Proposal((wrong, 0), (), sibling=y[0])
+    [verdict] = speculation.verify_batch(e, [speculation.prepare_verification(e, "s", proposal, GREEDY)])
+    assert verdict == Verdict(0, y[0], after_sibling=y[1])
+    assert list(e.tokens("s")) == PROMPT + y and e.kv_length("s") == len(PROMPT)
+
+
+def test_siblings_take_only_the_spare_rows_in_batch_order(tiny_pair):
+    y = greedy_reference(tiny_pair[1])(PROMPT, 2)
+    e = engine(tiny_pair[1], dtype="float64")
+    for session in ("a", "b"):
+        cached(e, session)
+    wrong = (y[0] + 1) % 256
+    proposals = {"a": Proposal((wrong, 0), (), y[0]), "b": Proposal((wrong, 0, 0), (), y[0])}
+    # 3 + 4 rows, padded to 8: one spare row, for the first session that offers a sibling
+    verdicts = speculation.verify_batch(e, [speculation.prepare_verification(e, s, p, GREEDY) for s, p in proposals.items()])
+    assert verdicts == [Verdict(0, y[0], after_sibling=y[1]), Verdict(0, y[0])]
+
+
+def test_bad_siblings_are_refused_before_any_work(tiny_pair):
+    e = cached(engine(tiny_pair[1]), "s")
+    sampled = SamplingParams(temperature=1.0, seed=1)
+    q = speculation.propose(cached(engine(tiny_pair[0]), "s"), "s", 1, sampled).q
+    for proposal, params in [(Proposal((5,), q, 6), sampled), (Proposal((5,), (), 5), GREEDY),
+                             (Proposal((), (), 5), GREEDY), (Proposal((5,), (), e.vocab_size), GREEDY)]:
+        with pytest.raises(ValueError, match="sibling"):
+            speculation.prepare_verification(e, "s", proposal, params)
+    assert e.tokens("s") == tuple(PROMPT)
+
+
+# -- the draft offers its runner-up ----------------------------------------------------------------
+
+
+def test_a_greedy_proposal_carries_the_runner_up_to_its_first_draft(tiny_pair):
+    draft = cached(engine(tiny_pair[0]), "s")
+    with torch.inference_mode():
+        first = draft.model(torch.tensor([PROMPT])).logits[0, -1]  # [vocab]
+    proposal = speculation.propose(draft, "s", 3, GREEDY)
+    assert proposal.tokens[0] == int(first.argmax()) and proposal.sibling == int(first.topk(2).indices[1])
+    draft.truncate("s", len(PROMPT))
+    assert speculation.propose(draft, "s", 3, SamplingParams(temperature=1.0, seed=3)).sibling is None
