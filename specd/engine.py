@@ -235,14 +235,14 @@ class ModelEngine:
         return [rows.float().cpu() for rows in logits]  # each [len(extra) + 1 (+ 1 with a sibling), vocab]
 
     def spare_rows(self, requests: Sequence[tuple[str, Sequence[int]]]) -> int:
-        """Sibling rows a `forward_many(requests)` pass could add at no cost: the small-row path
-        pads the rows to its block (specd/kernels.py), so rows up to the block are paid for anyway.
+        """Sibling rows a `forward_many(requests)` pass could add at about no cost: the small-row
+        path runs blocks of rows (`kernels.free_rows`), so rows up to the block are paid for anyway.
         0 off that path (GPU, the fused draft), past its row limit, or with sliding-window layers
         (a branch row attends to its whole prefix)."""
         if not self._pads_rows or self.model.model.has_sliding_layers:
             return 0
         fed = sum(self._rows_to_feed(session_id, extra) for session_id, extra in requests)
-        return kernels.padded_rows(fed) - fed if fed <= kernels.SMALL_ROWS else 0
+        return min(kernels.free_rows(fed), kernels.SMALL_ROWS - fed) if fed <= kernels.SMALL_ROWS else 0
 
     def truncate(self, session_id: str, pos: int) -> None:
         """Drop tokens from `pos` on. Idempotent; pos >= length (or an unknown session) is a no-op."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specd import speculation
+from specd import kernels, speculation
 from specd.engine import EngineConfig, ModelEngine
 from specd.sampling import SamplingParams
 from specd.verify import Proposal, Verdict, verify_greedy
@@ -49,10 +49,17 @@ def test_a_recovered_sibling_commits_the_token_after_it_too():
 # -- the engine: one more row, seen by nobody, kept by nobody ---------------------------------------
 
 
+def test_free_rows_fill_the_block_a_pass_costs_anyway():
+    assert {rows: kernels.free_rows(rows) for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 15, 16, 17)} == {
+        1: 0, 2: 2, 3: 1, 4: 0, 5: 0, 6: 0, 7: 1, 8: 0, 9: 7, 15: 1, 16: 0, 17: 7}
+
+
 def test_a_sibling_row_sees_only_the_prefix_and_changes_nothing_else(tiny_pair):
     drafts, sibling = [11, 12], 13
     plain, branched, alone = (cached(engine(tiny_pair[1], dtype="float64"), "s") for _ in range(3))
     assert branched.spare_rows([("s", drafts)]) == 1  # the last token again + 2 drafts: 3 rows, padded to 4
+    assert branched.spare_rows([("s", drafts[:1])]) == 2  # 2 rows cost what 4 do
+    assert branched.spare_rows([("s", [])]) == 0  # a plain step is one row, and has no draft to stand beside
     without = plain.forward_many([("s", drafts)])[0]  # [3, vocab]
     with_sibling = branched.forward_many([("s", drafts)], siblings=[sibling])[0]  # [4, vocab]
     # the same rows (elementwise kernels round by the row count, as in any batch: float64 shows it is only that)
