@@ -219,7 +219,7 @@ class ModelEngine:
         for (session_id, extra), sibling in zip(requests, siblings):
             self.check_forward(session_id, extra)
             if sibling is not None:
-                self._check_sibling(extra, sibling, newest_only)
+                self.check_sibling(extra, sibling, newest_only)
         prepared = [self._prepare(session_id, extra, refeed=not newest_only) for session_id, extra in requests]
         sessions = [session for session, _ in prepared]
         keep = [1 if newest_only else len(extra) + 1 for _, extra in requests]
@@ -244,6 +244,13 @@ class ModelEngine:
         fed = sum(self._rows_to_feed(session_id, extra) for session_id, extra in requests)
         return min(kernels.free_rows(fed), kernels.SMALL_ROWS - fed) if fed <= kernels.SMALL_ROWS else 0
 
+    def check_sibling(self, extra: Sequence[int], sibling: int, newest_only: bool = False) -> None:
+        """Raise what `forward_many` would refuse about a sibling beside `extra`."""
+        if not 0 <= sibling < self.vocab_size:
+            raise ValueError(f"the sibling must be a token id in [0, {self.vocab_size})")
+        if newest_only or not extra or sibling == extra[0]:
+            raise ValueError("a sibling stands beside the first of at least one new token, and differs from it")
+
     def truncate(self, session_id: str, pos: int) -> None:
         """Drop tokens from `pos` on. Idempotent; pos >= length (or an unknown session) is a no-op."""
         if pos < 0:
@@ -264,16 +271,10 @@ class ModelEngine:
             return self._fused.forward(caches, inputs, keep)
         return ragged.forward(self.model, caches, inputs, keep, branches)
 
-    def _check_sibling(self, extra: Sequence[int], sibling: int, newest_only: bool) -> None:
-        self._check_tokens([sibling])
-        if newest_only or not extra or sibling == extra[0]:
-            raise ValueError("a sibling stands beside the first of at least one new token, and differs from it")
-
     def _rows_to_feed(self, session_id: str, extra: Sequence[int]) -> int:
-        """Rows `forward_many([(session_id, extra)])` would feed: the pending tokens (the last one
-        again when none is: `_prepare` keeps it pending), then extra."""
+        """Rows `forward_many([(session_id, extra)])` would feed: the pending tokens, then extra."""
         session = self._sessions[session_id]
-        return len(session.tokens) - min(session.cache.get_seq_length(), len(session.tokens) - 1) + len(extra)
+        return len(session.tokens) - _feed_from(session, extra, refeed=True) + len(extra)
 
     def _touch(self, session_id: str, create: bool = False) -> _Session:
         """Return the session marked most recently used, creating it (maybe evicting) if asked."""
@@ -293,9 +294,9 @@ class ModelEngine:
             raise WrongThread("run the engine on the thread that built it (EngineWorker.call, ModelServicer.load)")
         self.check_forward(session_id, extra)
         session = self._touch(session_id)
-        _crop(session.cache, len(session.tokens) - (1 if refeed or not extra else 0))
-        kv = session.cache.get_seq_length()
-        return session, session.tokens[kv:] + list(extra)  # [>= max(1, len(extra))]
+        start = _feed_from(session, extra, refeed)
+        _crop(session.cache, start)
+        return session, session.tokens[start:] + list(extra)  # [>= max(1, len(extra))]
 
     def _reset_caches(self, sessions: Sequence[_Session]) -> None:
         # An interrupted call may have extended some layers' caches but not others; the
@@ -325,6 +326,12 @@ class ModelEngine:
         bad = [t for t in tokens if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"token ids must be in [0, {self.vocab_size}); got {bad[:5]}")
+
+
+def _feed_from(session: _Session, extra: Sequence[int], refeed: bool) -> int:
+    """The position a forward feeds from: the cached tokens it keeps, less the last one when its
+    row is wanted and nothing else is pending (refeed, or no extra)."""
+    return min(session.cache.get_seq_length(), len(session.tokens) - (1 if refeed or not extra else 0))
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

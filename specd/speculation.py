@@ -199,7 +199,9 @@ def prepare_verification(
 ) -> Verification:
     """Check everything about one request that could fail it (before any model work)."""
     if proposal.sibling is not None:
-        _check_sibling(engine, proposal, params)
+        if not params.greedy:
+            raise ValueError("a sibling is for greedy verification only")
+        engine.check_sibling(proposal.tokens, proposal.sibling)
     q = None if params.greedy else _dense_q(proposal, engine.vocab_size)  # [K, vocab]
     engine.check_forward(session_id, proposal.tokens)
     return Verification(session_id, proposal, params, engine.position(session_id), q)
@@ -247,15 +249,6 @@ def _decide(engine: "ModelEngine", v: Verification, logits: torch.Tensor, siblin
     # Rollback is bookkeeping: keep the accepted prefix, append the recovered/bonus token.
     engine.sync(v.session_id, n, verdict.committed(v.proposal.tokens))
     return verdict
-
-
-def _check_sibling(engine: "ModelEngine", proposal: Proposal, params: SamplingParams) -> None:
-    if not params.greedy:
-        raise ValueError("a sibling is for greedy verification only")
-    if not proposal.tokens or proposal.sibling == proposal.tokens[0]:
-        raise ValueError("a sibling stands beside a first draft token and differs from it")
-    if not 0 <= proposal.sibling < engine.vocab_size:
-        raise ValueError(f"the sibling must be a token id in [0, {engine.vocab_size})")
 
 
 def _dense_q(proposal: Proposal, vocab_size: int) -> torch.Tensor:

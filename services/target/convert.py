@@ -74,6 +74,6 @@ def verify_response(reply: VerifyReply) -> target_pb2.VerifyResponse:
 
 def verify_reply(msg: target_pb2.VerifyResponse) -> VerifyReply:
     return VerifyReply(
-        Verdict(msg.num_accepted, msg.next_token, common.optional(msg, "after_sibling")), msg.position, msg.instance_id, msg.compute_s, msg.queued_s,
-        max(1, msg.batch_size),
+        Verdict(msg.num_accepted, msg.next_token, common.optional(msg, "after_sibling")),
+        msg.position, msg.instance_id, msg.compute_s, msg.queued_s, max(1, msg.batch_size),
     )
