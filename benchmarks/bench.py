@@ -1,6 +1,6 @@
 """specd bench: plain, fixed-K, adaptive and Hugging Face assisted decoding, compared in one run.
 
-    .venv/bin/specd bench [--tokens 64] [--ks 1,2,4,8] [--prompts-per-class 1] [--concurrency 8]
+    .venv/bin/specd bench [--tokens 64] [--ks 1,2,4,8] [--prompts-per-class 1] [--concurrency 8] [--repeats 1]
     .venv/bin/python -m benchmarks.bench ...      (the same)
 
 Prompts (benchmarks/prompts.json) come in three classes: code, prose (stories), chat (through the
@@ -16,6 +16,11 @@ so every configuration, HF included, sees exactly the same prompt.
    (plain, 1 token: the target's; K = 1, 2 tokens: the draft's), so the per-step times below are
    steady-state decoding, not diluted by one prefill per request.
 3. Concurrency: N sessions at once vs the same N one after another (adaptive K).
+
+`--repeats R` runs steps 1 and 2 R times, interleaved (every configuration once, then again), and
+pools each configuration's requests: its tokens/s is all its tokens over all its seconds. On a
+shared machine one slow minute (a neighbour's load, a verification at 1.4 s instead of 0.9 s)
+moves a single request's figure by 30 %; pooled repeats spread it over every configuration.
 
 Every greedy output must equal plain decoding's (services' plain run) token for token, HF assisted
 and the concurrent runs included; otherwise the result is still written and the run exits non-zero.
@@ -104,6 +109,7 @@ class BenchConfig:
     ks: tuple[int, ...] = (1, 2, 4, 8)
     prompts_per_class: int = 1
     concurrency: int = 8
+    repeats: int = 1  # of the HF and service runs, interleaved; figures pool the repeats
     address: str | None = None  # running coordinator; None: start `specd up` on free ports
     up_flags: tuple[str, ...] = ()  # extra `specd up` flags
     draft_dir: Path | None = None  # None: the fetched pair (`specd models fetch`)
@@ -185,7 +191,7 @@ def hf_runs(cfg: BenchConfig, prompts: list[Prompt], draft_dir: Path, target_dir
     for assisted in (False, True):  # the first call of each kind pays for allocations
         hf_generate(models, warm, 4, assisted)
     runs = []
-    for prompt in prompts:
+    for prompt in prompts * cfg.repeats:
         for assisted in (False, True):
             bar.set_description(f"HF {'assisted' if assisted else 'plain'} {prompt.name}")
             runs.append(hf_generate(models, prompt, cfg.tokens, assisted))
@@ -242,8 +248,9 @@ def warm_up(stub, prompt: Prompt) -> None:
 def service_runs(stub, cfg: BenchConfig, prompts: list[Prompt], bar) -> tuple[list[Measured], dict]:
     warm_up(stub, prompts[0])
     runs, probes = [], {}
-    for prompt in prompts:
-        probes[prompt.name] = prefill_probes(stub, prompt)
+    for prompt in prompts * cfg.repeats:
+        if prompt.name not in probes:
+            probes[prompt.name] = prefill_probes(stub, prompt)
         for config, fields in service_configs(cfg.ks).items():
             bar.set_description(f"{config} {prompt.name}")
             runs.append(stream(stub, config, prompt, cfg.tokens, **fields))
@@ -506,7 +513,7 @@ def run(cfg: BenchConfig) -> dict:
     started = time.perf_counter()
     draft_dir, target_dir = _model_dirs(cfg)
     prompts = load_prompts(target_dir, cfg.prompts_per_class)
-    total = len(prompts) * (len(service_configs(cfg.ks)) + 2 * cfg.hf) + 2 * cfg.concurrency
+    total = cfg.repeats * len(prompts) * (len(service_configs(cfg.ks)) + 2 * cfg.hf) + 2 * cfg.concurrency
     with tqdm(total=total, unit="req", disable=not cfg.progress) as bar:
         hf = hf_runs(cfg, prompts, draft_dir, target_dir, bar) if cfg.hf else []
         with coordinator(cfg, draft_dir, target_dir) as stub:
@@ -536,7 +543,7 @@ def _result(cfg, prompts, runs, probes, scaling, duration_s) -> dict:
         "machine": machine() | {"load_average_1_5_15_min_at_end": [round(x, 2) for x in os.getloadavg()]},
         "settings": {
             "tokens": cfg.tokens, "ks": list(cfg.ks), "prompts": {p.name: p.kind for p in prompts},
-            "concurrency": cfg.concurrency, "greedy": True,
+            "concurrency": cfg.concurrency, "repeats": cfg.repeats, "greedy": True,
             "services": cfg.address or "specd up " + " ".join(cfg.up_flags),
             "threads": {role: _flag(cfg.up_flags, f"--{role}-threads") or f"torch default ({os.cpu_count()} cores)"
                         for role in ("draft", "target")},
@@ -572,12 +579,20 @@ def _run_json(run: Measured) -> dict:
 # --- command line --------------------------------------------------------------------------
 
 
+def _positive(value: str) -> int:
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
+    return int(value)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="specd bench", description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=64, help="new tokens per request")
     parser.add_argument("--ks", default="1,2,4,8", help="fixed K values to compare (1..8)")
     parser.add_argument("--prompts-per-class", type=int, default=1, help="of benchmarks/prompts.json")
     parser.add_argument("--concurrency", type=int, default=8, help="sessions in the concurrency scenario (0: skip)")
+    parser.add_argument("--repeats", type=_positive, default=1, help="runs of every HF and service configuration, "
+                        "interleaved; figures pool them")
     parser.add_argument("--address", help="coordinator host:port of running services (default: start specd up)")
     parser.add_argument("--draft-model-dir", type=Path, help="default: the fetched draft")
     parser.add_argument("--target-model-dir", type=Path, help="default: the fetched target")
@@ -599,8 +614,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     cfg = BenchConfig(
         tokens=args.tokens, ks=tuple(int(k) for k in args.ks.split(",")), prompts_per_class=args.prompts_per_class,
-        concurrency=args.concurrency, address=args.address, up_flags=up_flags, draft_dir=args.draft_model_dir,
-        target_dir=args.target_model_dir, hf=not args.no_hf, name=args.name,
+        concurrency=args.concurrency, repeats=args.repeats, address=args.address, up_flags=up_flags,
+        draft_dir=args.draft_model_dir, target_dir=args.target_model_dir, hf=not args.no_hf, name=args.name,
     )
     result = run(cfg)
     print(json.dumps({k: result[k] for k in ("duration_s", "lossless", "concurrency", "goals")}, indent=2))

@@ -19,16 +19,17 @@ def results_dir(tmp_path, monkeypatch):
 def test_bench_runs_end_to_end_and_reports_every_figure(tiny_pair, redis_url, results_dir):
     draft_dir, target_dir = tiny_pair
     cfg = BenchConfig(
-        tokens=6, ks=(1, 2), concurrency=2, draft_dir=draft_dir, target_dir=target_dir, name="tiny", progress=False,
+        tokens=6, ks=(1, 2), concurrency=2, repeats=2, draft_dir=draft_dir, target_dir=target_dir, name="tiny", progress=False,
         up_flags=("--draft-threads", "1", "--target-threads", "1", "--redis-url", redis_url),
     )
     bench.run(cfg)
 
     result = json.loads((results_dir / "tiny.json").read_text())
-    assert result["lossless"]["mismatches"] == [] and result["lossless"]["checked"] == 3 * 6 + 2 * 2
+    assert result["lossless"]["mismatches"] == [] and result["lossless"]["checked"] == 2 * 3 * 6 + 2 * 2
     assert set(result["classes"]) == {"code", "prose", "chat"}
     for summary in result["classes"].values():
         assert set(summary["configs"]) == {PLAIN, "K=1", "K=2", ADAPTIVE, HF_ASSISTED, "hf_plain"}
+        assert {row["requests"] for row in summary["configs"].values()} == {2}  # the repeats, pooled
         for config in ("K=1", "K=2", ADAPTIVE):
             row = summary["configs"][config]
             for key in ("tokens_per_s", "speedup", "alpha", "mean_acceptance_length", "ttft_s", "tpot_p50_s",
