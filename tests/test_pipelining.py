@@ -9,6 +9,7 @@ synchronous loop's for the same seed, token for token.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import replace
 
 import grpc
@@ -27,8 +28,11 @@ from specd.policy import (
     pipelining_pays,
     round_time,
 )
+from specd.loop import SyncPoint
 from specd.sampling import SamplingParams
 from services.coordinator.requests import Limits
+from services.draft.convert import ProposeCall
+from services.draft.server import DraftServicer
 from services.protogen.specd.v1 import coordinator_pb2
 from tests.cluster import Cluster
 from tests.conftest import greedy_reference
@@ -137,6 +141,24 @@ def test_auto_pipelining_learns_from_the_wall_time_of_pipelined_rounds(slowdown,
         assert dict(state.estimates.verify_s)[4] == pytest.approx(0.43 * 2.32)
     else:  # the trial, then synchronous rounds
         assert state.estimates.pipelined_rounds == PIPELINE_TRIAL
+
+
+def test_releasing_a_session_drops_the_drafts_it_made_ahead(tiny_pair):
+    """gRPC Release and the Ray deployment's release both end in `release_session`."""
+    servicer = DraftServicer.load(EngineConfig(tiny_pair[0]), "draft")
+
+    async def main():
+        await servicer.propose(ProposeCall("s", SyncPoint(0, tuple(PROMPT)), K, GREEDY, lookahead=K + 1))
+        await asyncio.gather(*servicer._drafting)
+        held = "s" in servicer._ahead
+        await servicer.worker.run(servicer.release_session, "s")
+        return held
+
+    try:
+        assert asyncio.run(main())
+        assert "s" not in servicer._ahead and servicer.engine.position("s") == 0
+    finally:
+        servicer.close()
 
 
 # --- through the real services --------------------------------------------------------------

@@ -24,7 +24,7 @@ from services.common.errors import grpc_errors
 from services.common.model_service import ModelServicer, Outcome, queued
 from services.common.worker import Batching, EngineWorker
 from services.draft import convert
-from services.protogen.specd.v1 import common_pb2, draft_pb2, draft_pb2_grpc
+from services.protogen.specd.v1 import draft_pb2, draft_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -75,10 +75,10 @@ class DraftServicer(ModelServicer, draft_pb2_grpc.DraftServiceServicer):
         self._check_instance(session_id, sync)
         return sync.start_pos + len(sync.tokens)
 
-    @grpc_errors
-    async def Release(self, request: common_pb2.SessionRef, context: grpc.aio.ServicerContext):
-        self._ahead.pop(request.session_id, None)
-        return await super().Release(request, context)
+    def release_session(self, session_id: str) -> None:
+        """Worker thread: the drafts made ahead go with the cache (gRPC Release and Ray's release)."""
+        self._ahead.pop(session_id, None)
+        super().release_session(session_id)
 
     def _start_drafting_ahead(self, call: convert.ProposeCall) -> None:
         if len(self._ahead) >= self.engine.config.max_sessions:  # sessions evicted without a Release
