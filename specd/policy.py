@@ -40,7 +40,10 @@ draft's step in flight. Rather than model each effect, "auto" measures the whole
 `pipelined_ratio`, a pipelined round's wall time over the synchronous round T(K) the estimates
 predict, and keeps pipelining while it is below PIPELINE_PAYS_BELOW. The first PIPELINE_TRIAL
 measured rounds pipeline to learn it. Pipelined rounds' verify and RPC times are contended, so
-they do not enter verify(K) or the RTT.
+they do not enter verify(K) or the RTT. A verdict against pipelining is not forever: the load,
+the network and where the services run change (and a trial taken under a burst of load speaks
+for that burst), so after PIPELINE_RETRY synchronous rounds "auto" tries again, and each trial
+that ends against it doubles that wait (up to PIPELINE_RETRY_MAX), as a failed probe does.
 
 Shared passes: the target verifies concurrent sessions in one pass, and that pass's time
 covers all their rows. Learnt as this session's verify(K), it would price a two-draft prose
@@ -73,6 +76,8 @@ SESSION_PROBE_AFTER = 1  # plain rounds (the prompt's prefill) before a new plai
 MIN_JUDGED = 16  # drafts judged in this session before timings alone may switch speculation off
 PIPELINE_TRIAL = 4  # rounds that draft ahead to measure their cost before "auto" decides
 PIPELINE_PAYS_BELOW = 0.97  # pipelined / synchronous round time; within 3 % is timing noise
+PIPELINE_RETRY = 64  # synchronous rounds before "auto" tries pipelining again; doubles per failed trial
+PIPELINE_RETRY_MAX = 4096
 PIPELINE_MODES = ("off", "on", "auto")
 
 
@@ -142,6 +147,8 @@ class Estimates:
     judged: int = 0  # drafts the target judged in this session (not decayed, not inherited)
     pipelined_ratio: float = 1.0  # a pipelined round's wall time / the synchronous T(K) predicted
     pipelined_rounds: int = 0  # rounds behind `pipelined_ratio`
+    pipeline_retry_in: int = 0  # "auto" with pipelining off: synchronous rounds until it tries again
+    pipeline_retry_every: int = PIPELINE_RETRY  # the wait after the next trial that ends against it
 
 
 @dataclass(frozen=True)
@@ -418,10 +425,26 @@ def _learn(
         if not target_cold and not (obs.target_shared and is_measured(est)):
             verify_s = _learn_verify(est.verify_s, config.cost_k(obs.k), obs.verify_s, w)
         rtt = obs.rtt_s if est.observations == 0 else _ewma(est.rtt_s, obs.rtt_s, w)
-    return Estimates(
+    learnt = Estimates(
         alpha, draft_step, verify_s, rtt, est.observations + 1, accepted_count, tested_count, est.judged + judged,
-        ratio, pipelined,
+        ratio, pipelined, est.pipeline_retry_in, est.pipeline_retry_every,
     )
+    return _schedule_pipeline_trials(est, learnt, obs, config)
+
+
+def _schedule_pipeline_trials(before: Estimates, est: Estimates, obs: RoundObservation, config: PolicyConfig):
+    """"auto": when a round turns pipelining off, wait the retry interval (and double it); when
+    the wait is over, forget the verdict, so the next rounds are a new trial."""
+    if config.pipeline != "auto" or pipelining_pays(est, config):
+        return est
+    if pipelining_pays(before, config) and obs.drafted_ahead:  # this round's measurement turned it off
+        every = est.pipeline_retry_every
+        return replace(est, pipeline_retry_in=every, pipeline_retry_every=min(2 * every, PIPELINE_RETRY_MAX))
+    if est.pipelined_rounds < PIPELINE_TRIAL:  # still calibrating: the trial has not started
+        return est
+    if est.pipeline_retry_in > 1:
+        return replace(est, pipeline_retry_in=est.pipeline_retry_in - 1)
+    return replace(est, pipelined_rounds=0, pipelined_ratio=1.0, pipeline_retry_in=0)
 
 
 def _learn_acceptance(est: Estimates, obs: RoundObservation, window: int) -> tuple[float, float, int]:

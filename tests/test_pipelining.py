@@ -18,6 +18,7 @@ import pytest
 from specd import speculation
 from specd.engine import EngineConfig, ModelEngine
 from specd.policy import (
+    PIPELINE_RETRY,
     PIPELINE_TRIAL,
     Estimates,
     PolicyConfig,
@@ -159,6 +160,25 @@ def test_releasing_a_session_drops_the_drafts_it_made_ahead(tiny_pair):
         assert "s" not in servicer._ahead and servicer.engine.position("s") == 0
     finally:
         servicer.close()
+
+
+def test_auto_pipelining_tries_again_after_a_wait_that_doubles_with_each_failed_trial():
+    """A verdict against pipelining is re-checked: a trial taken under a burst of load, or before
+    the services moved apart, must not switch it off for the deployment's lifetime."""
+    auto = PolicyConfig(pipeline="auto")
+    state = PolicyState(estimates=measured(), drafted_last_round=True)
+    predicted = round_time(state.estimates, 4)
+    trials, waits, since = 0, [], 0
+    for _ in range(PIPELINE_TRIAL * 3 + PIPELINE_RETRY * 3):
+        ahead = lookahead(state, 4, auto) > 0
+        trials += ahead and state.estimates.pipelined_rounds == 0
+        if ahead and since:
+            waits.append(since)
+        since = 0 if ahead else since + 1
+        verify_s = (1.3 if ahead else 1.0) * predicted - 4 * 0.08 - 2 * 0.001  # pipelined rounds: 30 % slower
+        state = observe(state, RoundObservation(4, 4, 4 * 0.08, verify_s, 0.001, drafted_ahead=ahead), auto)
+    assert trials == 3 and waits == [PIPELINE_RETRY, 2 * PIPELINE_RETRY]
+    assert dict(state.estimates.verify_s)[4] == pytest.approx(0.43 * 2.32)  # synchronous rounds kept it
 
 
 # --- through the real services --------------------------------------------------------------
