@@ -8,20 +8,16 @@ ours, and only its `phoenix serve` process is used. The venv is created on first
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
-import tempfile
-import time
 import urllib.request
 from pathlib import Path
 
+from services.common.local_process import LocalProcess
 from services.common.redis_server import free_port
 
 PHOENIX_VERSION = "20.26.1"
 PROJECT = "specd"  # every service's spans land in this Phoenix project
-START_TIMEOUT_S = 120.0  # ≈20–35 s on a 2-core machine
-STOP_TIMEOUT_S = 15.0
 INSTALL_TIMEOUT_S = 900.0
 
 
@@ -55,16 +51,18 @@ def answers_ok(url: str) -> bool:
         return False
 
 
-class LocalPhoenix:
+class LocalPhoenix(LocalProcess):
     """One `phoenix serve` process with its database in a temp dir (traces go with it)."""
 
+    name = "phoenix"
+    start_timeout_s = 120.0  # ≈20–35 s on a 2-core machine
+    stop_timeout_s = 15.0
+    poll_s = 0.25
+    log_lines = 30
+
     def __init__(self, port: int | None = None, grpc_port: int | None = None):
-        self.port = port or free_port()
+        super().__init__(port or free_port(), None, "phoenix.log")
         self.grpc_port = grpc_port or free_port()
-        self._tmp = tempfile.TemporaryDirectory(prefix="specd-phoenix-")
-        self.dir = Path(self._tmp.name)
-        self.log_path = self.dir / "phoenix.log"
-        self._proc: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
@@ -83,49 +81,13 @@ class LocalPhoenix:
         return {"OTEL_EXPORTER_OTLP_ENDPOINT": self.otlp_endpoint, "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
                 "OTEL_RESOURCE_ATTRIBUTES": resource}
 
-    def start(self) -> LocalPhoenix:
-        if self._proc is not None:
-            raise RuntimeError(f"Phoenix already running on port {self.port}")
+    def launch(self) -> subprocess.Popen:
         env = {**os.environ, "PHOENIX_HOST": "127.0.0.1", "PHOENIX_PORT": str(self.port),
                "PHOENIX_GRPC_PORT": str(self.grpc_port), "PHOENIX_WORKING_DIR": str(self.dir),
                "PHOENIX_TELEMETRY_ENABLED": "false"}
         with open(self.log_path, "w") as log:
-            self._proc = subprocess.Popen([str(ensure_phoenix()), "serve"], env=env, stdin=subprocess.DEVNULL,
-                                          stdout=log, stderr=subprocess.STDOUT)
-        self._wait_ready()
-        return self
+            return subprocess.Popen([str(ensure_phoenix()), "serve"], env=env, stdin=subprocess.DEVNULL,
+                                    stdout=log, stderr=subprocess.STDOUT)
 
-    def _wait_ready(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not answers_ok(f"{self.url}/healthz"):
-            exited = self._proc.poll() is not None
-            if exited or time.monotonic() > deadline:
-                self.stop()
-                why = "exited" if exited else f"was not healthy within {START_TIMEOUT_S:.0f}s"
-                raise RuntimeError(f"Phoenix on port {self.port} {why}; log:\n{self._log_tail()}")
-            time.sleep(0.25)
-
-    def _log_tail(self) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-30:])
-        except OSError:
-            return "(no log)"
-
-    def stop(self) -> None:
-        if self._proc is None:
-            return
-        if self._proc.poll() is None:
-            self._proc.send_signal(signal.SIGTERM)
-            try:
-                self._proc.wait(STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
-        self._proc = None
-
-    def __enter__(self) -> LocalPhoenix:
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-        self._tmp.cleanup()
+    def ready(self) -> bool:
+        return answers_ok(f"{self.url}/healthz")
