@@ -102,6 +102,7 @@ class RoundRecord:
     draft_position: int | None  # None when the round drafted nothing
     target_position: int
     mode: str
+    observation: RoundObservation  # what the round taught the policy (its timings)
 
 
 @dataclass(frozen=True)
@@ -227,7 +228,9 @@ async def generate(
                 stats, state = stats + wall, replace(state, stats=state.stats + wall)
             stored = len(committed)
             if on_round:
-                on_round(RoundRecord(k, a, len(committed), drafted and drafted.position, verified.position, policy.mode))
+                on_round(RoundRecord(
+                    k, a, len(committed), drafted and drafted.position, verified.position, policy.mode, observation
+                ))
             if emitted:
                 yield Chunk(emitted, text)
             if checker.finish_reason:
@@ -237,7 +240,7 @@ async def generate(
                 return
     finally:
         if ephemeral:
-            await _forget(session_id, services)
+            await forget(session_id, services)
 
 
 async def _start_from_prior(state: SessionState, store: SessionStore, owner: str) -> SessionState:
@@ -331,7 +334,7 @@ async def _call(cursor: _Cursor, committed: Sequence[int], call: Callable[[SyncP
 _forgetting: set[asyncio.Future] = set()  # releases still running after their request was cancelled
 
 
-async def _forget(session_id: str, services: Services) -> None:
+async def forget(session_id: str, services: Services) -> None:
     """Free both caches and the stored session. Best effort: an unreleased cache is evicted
     once idle and a stored session expires, and a failure here must not mask the outcome.
     Shielded: a request cancelled (client gone, deadline passed) is exactly the one whose

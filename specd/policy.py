@@ -52,6 +52,13 @@ much), so once the estimates are measured a shared pass's time is skipped, like 
 round's: K and the fallback are judged on the pass as it costs alone. Before that (a deployment
 under load from its first request) shared times are all there is, and rounds alone correct them.
 
+Start-up calibration: a fresh deployment knows no timings, so its first sessions calibrate
+(below) and explore (`explore_k`): a first request on code tried K = 16, a 24-row pass of 1.6 s,
+then 14, then 7, before settling at 15. `calibrated` turns one timed round per row block (the
+coordinator runs them on a scratch session at start, specd/calibration.py) into the prior a
+deployment's first session inherits: every block measured, so no session explores or
+calibrates; acceptance stays the prior (the scratch text says nothing about real text).
+
 Calibration: S needs verify(0), the plain step time, which speculative rounds never measure.
 So a fresh state decodes plainly until verify(0) is measured, at most two rounds (the first
 one prefills the prompt, so it is cold): each still commits a token at plain speed. Should
@@ -63,6 +70,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import Sequence
 
 from specd.validation import validate_that
 
@@ -181,6 +189,34 @@ def inherit(prior: PolicyState) -> PolicyState:
         plain_rounds_until_probe=SESSION_PROBE_AFTER if prior.mode == PLAIN else 0,
         probe_interval=prior.probe_interval,
     )
+
+
+def calibration_ks(config: PolicyConfig) -> tuple[int, ...]:
+    """The K whose rounds price every K up to max_k: a plain step, and one K per row block (its
+    largest within max_k); without blocks, powers of two and max_k (lines join them)."""
+    if config.row_blocks:
+        ks = {block - 1 for block in config.row_blocks if block - 1 <= config.max_k} | {config.max_k}
+    else:
+        ks = {2**i for i in range(config.max_k.bit_length())} | {config.max_k}
+    return tuple(sorted(ks | {0}))
+
+
+def calibrated(rounds: Sequence[RoundObservation], config: PolicyConfig) -> PolicyState:
+    """The prior of a fresh deployment from timed rounds (`calibration_ks`, perhaps each more than
+    once): verify(K) by row block, the draft step and the RTT, each the fastest measured (noise
+    only ever adds time); acceptance left at the prior. A cold service's timing (it caught up on
+    more than the round's tokens) is left out."""
+    verify: dict[int, float] = {}
+    for obs in rounds:
+        if not obs.target_cold:
+            k = config.cost_k(obs.k)
+            verify[k] = min(verify.get(k, math.inf), obs.verify_s)
+    steps = [o.draft_s / (o.k - o.reused) for o in rounds if o.k > o.reused and not o.draft_cold]
+    estimates = Estimates(
+        draft_step_s=min(steps, default=None), verify_s=tuple(sorted(verify.items())),
+        rtt_s=min((o.rtt_s for o in rounds), default=0.0),
+    )
+    return PolicyState(estimates=estimates)
 
 
 # --- the cost model ---------------------------------------------------------------------

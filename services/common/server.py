@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from typing import Callable, Iterable
+from typing import Awaitable, Callable, Iterable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -17,13 +17,17 @@ log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 STOP_GRACE_S = 5.0
+_announcing: set[asyncio.Task] = set()  # health updates waiting for a server's warm-up
 
 
 async def start_server(
     register: Callable[[grpc.aio.Server], Iterable[str]],
     address: str,
+    warm_up: Awaitable[None] | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """Start a server with the servicers `register` adds (it returns their full service names).
+    Its health answers SERVING once `warm_up` (if any) is done: a readiness probe (k8s, `specd up`)
+    then sends traffic to a warmed-up server, while calls that come earlier are still served.
 
     Returns the server and the bound port (use port 0 in tests for a free one).
     """
@@ -41,9 +45,22 @@ async def start_server(
     port = server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"cannot bind gRPC server to {address}")
+    if warm_up is not None:  # the stock servicer starts out answering SERVING for the whole server
+        await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.start()
-    for name in ("", *names):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    async def announce() -> None:
+        if warm_up is not None:
+            await warm_up
+        for name in ("", *names):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    if warm_up is None:
+        await announce()
+    else:
+        task = asyncio.create_task(announce())
+        _announcing.add(task)
+        task.add_done_callback(_announcing.discard)
     return server, port
 
 

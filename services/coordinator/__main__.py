@@ -26,6 +26,7 @@ from services.draft.client import GrpcDrafter
 from services.target.client import GrpcVerifier
 
 DEFAULT_PORT = 50051
+CALIBRATION_ATTEMPTS, CALIBRATION_RETRY_S = 24, 5.0  # two minutes for the model services to come up
 log = logging.getLogger(__name__)
 
 
@@ -77,6 +78,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     settings.add(parser, "--siblings", default="on", choices=("on", "off"),
                  help="greedy rounds send the draft's runner-up for the first position, which the target scores "
                       "in rows its pass pads to anyway (off: never)")
+    settings.add(parser, "--calibrate", default="on", choices=("on", "off"),
+                 help="a deployment with no learnt policy yet times one round per row block at start, so its first "
+                      "sessions need not explore K; health answers SERVING after it (off: they explore)")
     settings.add(parser, "--inject-rtt-ms", type=float, default=0.0,
                  help="benchmarks: add this round-trip delay to every model-service call")
     settings.add(parser, "--http-port", type=int, default=DEFAULT_HTTP_PORT, help="REST (OpenAI) port; -1: no REST")
@@ -116,7 +120,10 @@ async def serve(args: argparse.Namespace) -> None:
     keys = ApiKeys.from_file(args.api_keys_file) if args.api_keys_file else ApiKeys.open()
     if not keys.required:
         log.warning("no --api-keys-file: the coordinator's APIs are open to anyone who can reach them")
-    server, port = await start_server(register(CoordinatorServicer(frontend, keys)), f"{args.host}:{args.port}")
+    calibrating = asyncio.create_task(_calibrate(frontend)) if args.calibrate == "on" else None
+    server, port = await start_server(
+        register(CoordinatorServicer(frontend, keys)), f"{args.host}:{args.port}", warm_up=calibrating
+    )
     log.info("coordinator on %s:%d (draft %s, target %s)", args.host, port, args.draft_addr, args.target_addr)
     http = None
     if args.http_port >= 0:
@@ -127,11 +134,33 @@ async def serve(args: argparse.Namespace) -> None:
     try:
         await run_until_signalled(server)
     finally:
+        if calibrating:
+            calibrating.cancel()
         if http:
             await http.stop()
         await asyncio.gather(
             services.drafter.replicas.close(), services.verifier.replicas.close(), services.store.close()
         )
+
+
+async def _calibrate(frontend: Frontend) -> None:
+    """Start-up calibration, retried while the model services come up (compose and k8s start them
+    in any order); giving up costs only the exploration it would have saved."""
+    for attempt in range(CALIBRATION_ATTEMPTS):
+        try:
+            prior = await frontend.seed_prior()
+        except Exception as error:  # any failure: a service not up yet, Redis away
+            log.info("start-up calibration: %s (attempt %d of %d)", error, attempt + 1, CALIBRATION_ATTEMPTS)
+            await asyncio.sleep(CALIBRATION_RETRY_S)
+            continue
+        if prior is None:
+            log.info("start-up calibration: the deployment has a learnt policy already")
+        else:
+            est = prior.estimates
+            log.info("start-up calibration: draft step %.3f s, verify(K) %s", est.draft_step_s,
+                     ", ".join(f"{k}: {t:.3f} s" for k, t in est.verify_s))
+        return
+    log.warning("start-up calibration gave up: the first sessions will explore K")
 
 
 def main(argv: list[str] | None = None) -> None:

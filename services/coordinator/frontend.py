@@ -14,10 +14,12 @@ from typing import AsyncIterator
 
 from opentelemetry import trace
 
+from specd import calibration
 from specd.loop import Chunk, Finished, GenerationRequest, Services, generate
+from specd.policy import PolicyState
 from specd.session import SessionNotFound, SessionState
 from services.common.metrics import CoordinatorMetrics
-from services.coordinator.requests import Limits
+from services.coordinator.requests import Limits, policy_config
 from services.coordinator.model_info import ModelInfo
 
 tracer = trace.get_tracer(__name__)
@@ -45,6 +47,11 @@ class Frontend:
                     if isinstance(event, Finished):
                         span.set_attributes(_outcome(event))
                     yield event
+
+    async def seed_prior(self) -> PolicyState | None:
+        """Start-up calibration (specd/calibration.py) when the deployment has no prior yet."""
+        config = policy_config(self.limits, self.limits.max_k)
+        return await calibration.seed_prior(self.services, self.model.decode, config)
 
     async def session(self, session_id: str, owner: str = "") -> SessionState:
         state = await self.services.store.get(session_id)

@@ -85,11 +85,15 @@ def generation_request(req: ClientRequest, model: ModelInfo, limits: Limits) -> 
         seed=req.seed if req.seed is not None else secrets.randbits(63),
     ).validate()
     rules = StopRules(max_tokens, req.stop, model.eos_token_ids, req.ignore_eos)
-    policy = PolicyConfig(
+    return GenerationRequest(tuple(prompt), rules, params, policy_config(limits, max_k), fixed_k)
+
+
+def policy_config(limits: Limits, max_k: int) -> PolicyConfig:
+    """The policy of a request that may draft up to max_k (at most the server's)."""
+    return PolicyConfig(
         max_k=max_k, default_k=min(limits.default_k, max_k), pipeline=limits.pipeline, row_blocks=limits.row_blocks,
         min_confidence=limits.min_confidence, siblings=limits.siblings,
     )
-    return GenerationRequest(tuple(prompt), rules, params, policy, fixed_k)
 
 
 def _fixed_k(req: ClientRequest, limits: Limits) -> int | None:
