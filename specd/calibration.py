@@ -1,6 +1,6 @@
-"""Start-up calibration: before a fresh deployment's first request, one timed round per row block
-on a scratch session, so its first sessions inherit measured timings instead of exploring K on a
-user's request (`specd.policy.calibrated`). Transport-free: it drives the loop over whatever
+"""Start-up calibration: before a fresh deployment's first request, timed rounds for every row
+block on a scratch session, so its first sessions inherit measured timings instead of exploring
+K on a user's request (`specd.policy.calibrated`). Transport-free: it drives the loop over whatever
 `Services` it is given (gRPC clients, Ray handles, fakes)."""
 
 from __future__ import annotations
