@@ -54,7 +54,7 @@ under load from its first request) shared times are all there is, and rounds alo
 
 Start-up calibration: a fresh deployment knows no timings, so its first sessions calibrate
 (below) and explore (`explore_k`): a first request on code tried K = 16, a 24-row pass of 1.6 s,
-then 14, then 7, before settling at 15. `calibrated` turns one timed round per row block (the
+then 14, then 7, before settling at 15. `calibrated` turns timed rounds for every row block (the
 coordinator runs them on a scratch session at start, specd/calibration.py) into the prior a
 deployment's first session inherits: every block measured, so no session explores or
 calibrates; acceptance stays the prior (the scratch text says nothing about real text).
