@@ -155,7 +155,7 @@ def _draft(engine: "ModelEngine", requests: Sequence[_DraftRequest]) -> list[Pro
             request, i = requests[j], len(tokens[j])
             token, row, q_token = _next_draft(engine, request, last, u[j][i] if u[j] else 0.0)
             if i == 0 and request.params.greedy:
-                siblings[j] = int(last[0].topk(2).indices[1])  # the runner-up to the first draft
+                siblings[j] = _runner_up(last[0], token)
             tokens[j].append(token)
             if row is not None:
                 rows[j].append(row)
@@ -167,6 +167,13 @@ def _draft(engine: "ModelEngine", requests: Sequence[_DraftRequest]) -> list[Pro
         if drafted:
             engine.sync(r.session_id, n + len(drafted) - 1, drafted[-1:])
     return [Proposal(tuple(t), tuple(r), sibling) for t, r, sibling in zip(tokens, rows, siblings)]
+
+
+def _runner_up(logits: torch.Tensor, token: int) -> int:
+    """The best token but `token` (logits: [vocab]). Not simply topk's second: on a tie at the top
+    topk may list the argmax second, and a sibling equal to its draft is refused."""
+    first, second = logits.topk(2).indices.tolist()
+    return second if first == token else first
 
 
 def _next_draft(

@@ -126,3 +126,19 @@ def test_a_greedy_proposal_carries_the_runner_up_to_its_first_draft(tiny_pair):
     assert proposal.tokens[0] == int(first.argmax()) and proposal.sibling == int(first.topk(2).indices[1])
     draft.truncate("s", len(PROMPT))
     assert speculation.propose(draft, "s", 3, SamplingParams(temperature=1.0, seed=3)).sibling is None
+
+
+def test_the_runner_up_is_another_token_when_the_top_logits_tie(tiny_pair, monkeypatch):
+    draft, target = cached(engine(tiny_pair[0]), "s"), cached(engine(tiny_pair[1]), "s")
+    real = draft.forward_many
+
+    def tied(requests, **kwargs):  # the draft's logits tie at the top: argmax takes 5, topk lists 9 first
+        logits = [rows.clone() for rows in real(requests, **kwargs)]
+        for rows in logits:
+            rows[:, [5, 9]] = rows.max() + 1
+        return logits
+
+    monkeypatch.setattr(draft, "forward_many", tied)
+    proposal = speculation.propose(draft, "s", 2, GREEDY)
+    assert proposal.tokens[0] == 5 and proposal.sibling == 9
+    speculation.prepare_verification(target, "s", proposal, GREEDY)  # a sibling the target takes
