@@ -45,7 +45,7 @@ class EngineConfig:
     max_sessions: int = 64
     idle_evict_s: float = 5.0  # a session idle this long may be evicted (LRU) to make room
     max_context: int | None = None  # default: the model's max_position_embeddings
-    small_row_matmul: bool = True  # CPU: the fast path for 2-128 row linears (specd/kernels.py)
+    small_row_matmul: bool = True  # CPU: fast linears for decoding-sized inputs (packed weights, specd/kernels.py)
     quantize: str = "none"  # "int8": dynamic int8 linears, CPU, for a draft model only (specd/kernels.py)
     fused_int8: bool = True  # int8: fused projections without module calls, same logits (specd/fused.py)
 

@@ -2,12 +2,19 @@
 
 On this class of CPU, `F.linear` with 2-16 input rows is 2.5-4x slower than with one row
 (the BLAS repacks the weight on every call), which is exactly the shape of a speculative
-verification (K + 1 rows) and made it cost nearly K single steps. `W @ x.T` with `x`
-contiguous runs those row counts at close to one-row speed, and stays ahead up to the 128
-rows of a batched verification (8 sessions x 16 rows; 40 rows through the 1.5B target's
-lm_head: 0.47 s instead of 0.90 s). It is the same arithmetic through another kernel;
-exactness of the target is then a matter of multi-row and single-row results agreeing,
-which tests/test_engine.py checks for every row count.
+verification (K + 1 rows) and made it cost nearly K single steps. Two ways round it:
+
+- float32 weights are packed once, at load, into oneDNN's blocked layout and multiplied with
+  oneDNN's own kernel (`torch.ops.mkldnn._linear_pointwise`, what torch.compile's CPU freezing
+  uses): no repacking per call; the 1.5B target's one-session pass is 1.16-1.50x faster than
+  with `W @ x.T` from 1 to 64 rows, but for 4 rows (equal; benchmarks/results/kernels.json).
+  A row's result does not depend on how many rows are fed with it (bit-identical,
+  tests/test_engine.py), so a verification's rows equal the plain steps'. The packed copy
+  replaces the dense weight.
+- other weights (float64 test models, or a torch without oneDNN): `W @ x.T` with `x`
+  contiguous runs those row counts at close to one-row speed, and stays ahead of `F.linear` up
+  to 128 rows. The same arithmetic through another kernel; multi-row and single-row results
+  agree to rounding (tests/test_engine.py checks every row count).
 
 Dynamic int8 quantisation is for the *draft* only: a quantised model's logits depend on how
 many tokens are processed together, so a K-token verification would no longer equal K single
@@ -18,12 +25,14 @@ from __future__ import annotations
 
 import types
 import warnings
+from collections import Counter
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 SMALL_ROWS = 128
+PACKED_FOR_ROWS = 16  # oneDNN picks the packed layout for about this many rows
 
 
 def padded_rows(rows: int) -> int:
@@ -62,13 +71,36 @@ def _small_rows_linear(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return y if self.bias is None else y + self.bias
 
 
-def use_small_row_matmul(model: nn.Module) -> int:
-    """Route every float nn.Linear through the small-row path; returns how many were changed."""
+def _packed_linear(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    rows, features = x.numel() // x.shape[-1], x.shape[-1]
+    x_rows = x.reshape(rows, features)
+    padding = padded_rows(rows) - rows if rows <= SMALL_ROWS else 0
+    x_rows = torch.cat([x_rows, x_rows.new_zeros(padding, features)]) if padding else x_rows.contiguous()
+    y = torch.ops.mkldnn._linear_pointwise(x_rows, self.packed_weight, self.bias, "none", [], "")[:rows]
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def _packable(weight: torch.Tensor) -> bool:
+    return weight.dtype == torch.float32 and weight.device.type == "cpu" and torch.backends.mkldnn.is_available()
+
+
+def use_small_row_matmul(model: nn.Module, pack: bool = True) -> int:
+    """Route every float nn.Linear through a fast small-row path (a packed float32 weight, else
+    `W @ x.T`; pack=False: `W @ x.T` everywhere, for benchmarks/kernels.py); returns how many
+    were changed."""
+    uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
     changed = 0
     for module in model.modules():
-        if type(module) is nn.Linear:
+        if type(module) is not nn.Linear:
+            continue
+        if pack and _packable(module.weight):
+            module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), PACKED_FOR_ROWS)
+            if uses[id(module.weight)] == 1:  # a tied weight (an embedding's too) stays for its other user
+                module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)
+            module.forward = types.MethodType(_packed_linear, module)
+        else:
             module.forward = types.MethodType(_small_rows_linear, module)
-            changed += 1
+        changed += 1
     return changed
 
 

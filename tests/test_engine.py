@@ -282,6 +282,32 @@ def test_small_row_matmul_is_the_same_arithmetic_as_f_linear(rows):
     torch.testing.assert_close(_small_rows_linear(layer, x), torch.nn.functional.linear(x, layer.weight, layer.bias))
 
 
+def test_a_packed_linear_is_f_linear_and_each_row_is_the_same_whatever_rows_come_with_it():
+    from specd import kernels
+
+    layer, dense = torch.nn.Linear(64, 48), torch.nn.Linear(64, 48)
+    dense.load_state_dict(layer.state_dict())
+    kernels.use_small_row_matmul(layer)  # packs float32 weights for oneDNN; the dense copy goes
+    assert layer.weight.numel() == 0
+    x = torch.randn(1, 129, 64, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), dense(x))
+        first = layer(x[:, :1])
+        for rows in (2, 3, 5, 8, 9, 16, 17, 40, 128, 129):  # padded or not, a row's result is its own
+            assert torch.equal(layer(x[:, :rows])[:, :1], first)
+
+
+def test_a_tied_weight_keeps_its_dense_copy_for_its_other_user():
+    from specd import kernels
+
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 8), torch.nn.Linear(8, 10, bias=False))
+    model[1].weight = model[0].weight
+    assert kernels.use_small_row_matmul(model) == 1
+    assert model[0].weight.shape == (10, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(model(torch.tensor([[1, 2]])), model[0](torch.tensor([[1, 2]])) @ model[0].weight.T)
+
+
 def test_engines_with_and_without_the_fast_path_agree(tiny_pair):
     fast = ModelEngine(EngineConfig(tiny_pair[1]))
     stock = ModelEngine(EngineConfig(tiny_pair[1], small_row_matmul=False))
