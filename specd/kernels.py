@@ -81,7 +81,9 @@ def _packed_linear(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def _packable(weight: torch.Tensor) -> bool:
-    return weight.dtype == torch.float32 and weight.device.type == "cpu" and torch.backends.mkldnn.is_available()
+    # The ops are torch's private ones (its CPU freezing pass calls them): a build without them takes W @ x.T.
+    has_ops = hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    return weight.dtype == torch.float32 and weight.device.type == "cpu" and torch.backends.mkldnn.is_available() and has_ops
 
 
 def use_small_row_matmul(model: nn.Module, pack: bool = True) -> int:
