@@ -14,7 +14,7 @@ import argparse
 import statistics
 
 from benchmarks.common import machine, write
-from benchmarks.rows import CONTEXT, pass_s
+from benchmarks.rows import CONTEXT, holding_context, pass_s
 from specd import kernels
 from specd.engine import EngineConfig, ModelEngine
 from specd.models import model_path
@@ -23,10 +23,7 @@ from specd.models import model_path
 def engine(packed: bool, threads: int) -> ModelEngine:
     built = ModelEngine(EngineConfig(model_path("target"), dtype="float32", threads=threads, small_row_matmul=False))
     kernels.use_small_row_matmul(built.model, pack=packed)
-    built.sync("s", 0, [(7 * i) % 20000 + 100 for i in range(CONTEXT)])
-    built.forward("s")
-    pass_s(built, 1)  # warm-up
-    return built
+    return holding_context(built)
 
 
 def main() -> None:

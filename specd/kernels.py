@@ -57,33 +57,40 @@ def row_blocks(max_rows: int) -> tuple[int, ...]:
     return tuple(sorted({padded_rows(rows) for rows in range(1, max_rows + 1)}))
 
 
-def _small_rows_linear(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+def _row_major(x: torch.Tensor) -> torch.Tensor:
+    """x as a contiguous [rows, features] matrix, zero rows added up to `padded_rows` (up to
+    SMALL_ROWS rows). Row-major rows matter: the previous small-row linear hands on its output
+    transposed in memory, and W @ (a contiguous [in, rows] matrix) runs 3x slower than
+    W @ (rows-major).T."""
     rows, features = x.numel() // x.shape[-1], x.shape[-1]
+    x_rows = x.reshape(rows, features)
+    padding = padded_rows(rows) - rows if rows <= SMALL_ROWS else 0
+    return torch.cat([x_rows, x_rows.new_zeros(padding, features)]) if padding else x_rows.contiguous()
+
+
+def _small_rows_linear(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    rows = x.numel() // x.shape[-1]
     if rows > SMALL_ROWS:
         return F.linear(x, self.weight, self.bias)
-    # Row-major rows matter: the previous small-row linear hands on its output transposed in
-    # memory, and W @ (a contiguous [in, rows] matrix) runs 3x slower than W @ (rows-major).T.
-    x_rows = x.reshape(rows, features)
-    padding = padded_rows(rows) - rows
-    x_rows = torch.cat([x_rows, x_rows.new_zeros(padding, features)]) if padding else x_rows.contiguous()
-    y = (self.weight @ x_rows.T)[:, :rows].T  # [rows, out]
+    y = (self.weight @ _row_major(x).T)[:, :rows].T  # [rows, out]
     y = y.reshape(*x.shape[:-1], self.weight.shape[0])
     return y if self.bias is None else y + self.bias
 
 
 def _packed_linear(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    rows, features = x.numel() // x.shape[-1], x.shape[-1]
-    x_rows = x.reshape(rows, features)
-    padding = padded_rows(rows) - rows if rows <= SMALL_ROWS else 0
-    x_rows = torch.cat([x_rows, x_rows.new_zeros(padding, features)]) if padding else x_rows.contiguous()
-    y = torch.ops.mkldnn._linear_pointwise(x_rows, self.packed_weight, self.bias, "none", [], "")[:rows]
+    rows = x.numel() // x.shape[-1]
+    y = torch.ops.mkldnn._linear_pointwise(_row_major(x), self.packed_weight, self.bias, "none", [], "")[:rows]
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
+# The ops are torch's private ones (its CPU freezing pass calls them): a build without them takes W @ x.T.
+_ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and all(
+    hasattr(torch.ops.mkldnn, op) for op in ("_reorder_linear_weight", "_linear_pointwise")
+)
+
+
 def _packable(weight: torch.Tensor) -> bool:
-    # The ops are torch's private ones (its CPU freezing pass calls them): a build without them takes W @ x.T.
-    has_ops = hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-    return weight.dtype == torch.float32 and weight.device.type == "cpu" and torch.backends.mkldnn.is_available() and has_ops
+    return _ONEDNN_LINEAR and weight.dtype == torch.float32 and weight.device.type == "cpu"
 
 
 def use_small_row_matmul(model: nn.Module, pack: bool = True) -> int:
