@@ -29,14 +29,11 @@ from fastapi import FastAPI
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from specd.contracts import DraftReply, ProposeRequest, StaleSession, VerifyReply, VerifyRequest
 from specd.engine import EngineConfig, PositionMismatch
-from specd.loop import DraftReply, Services, StaleSession, SyncPoint, VerifyReply
-from specd.sampling import SamplingParams
-from specd.verify import Proposal
+from specd.loop import Services
 from services.common.model_service import ModelServicer
-from services.draft.convert import ProposeCall
 from services.draft.server import DraftServicer
-from services.target.convert import VerifyCall
 from services.target.server import TargetServicer
 from services.coordinator.auth import ApiKeys
 from services.coordinator.frontend import Frontend
@@ -81,8 +78,8 @@ class DraftDeployment(_ModelDeployment):
     def __init__(self, config: EngineConfig):
         super().__init__(DraftServicer.load(config, "draft"))
 
-    async def propose(self, call: ProposeCall):
-        return await _or_stale(self.servicer.propose(call))
+    async def propose(self, request: ProposeRequest) -> DraftReply | _Stale:
+        return await _or_stale(self.servicer.propose(request))
 
 
 @serve.deployment(name="target")
@@ -90,8 +87,8 @@ class TargetDeployment(_ModelDeployment):
     def __init__(self, config: EngineConfig):
         super().__init__(TargetServicer.load(config, "target"))
 
-    async def verify(self, session_id: str, sync: SyncPoint, proposal: Proposal, params: SamplingParams):
-        return await _or_stale(self.servicer.verify(VerifyCall(session_id, sync, proposal, params)))
+    async def verify(self, request: VerifyRequest) -> VerifyReply | _Stale:
+        return await _or_stale(self.servicer.verify(request))
 
 
 class _Handle:
@@ -100,8 +97,8 @@ class _Handle:
     def __init__(self, handle: DeploymentHandle, method: str):
         self._handle, self._method = handle, method
 
-    async def _call(self, *args):
-        reply = await getattr(self._handle, self._method).remote(*args)
+    async def _call(self, request):
+        reply = await getattr(self._handle, self._method).remote(request)
         if isinstance(reply, _Stale):
             raise StaleSession(reply.position)
         return reply
@@ -114,19 +111,16 @@ class RayDrafter(_Handle):
     def __init__(self, handle: DeploymentHandle):
         super().__init__(handle, "propose")
 
-    async def propose(
-        self, session_id: str, sync: SyncPoint, k: int, params: SamplingParams, lookahead: int = 0,
-        min_confidence: float = 0.0,
-    ) -> DraftReply:
-        return await self._call(ProposeCall(session_id, sync, k, params, lookahead, min_confidence))
+    async def propose(self, request: ProposeRequest) -> DraftReply:
+        return await self._call(request)
 
 
 class RayVerifier(_Handle):
     def __init__(self, handle: DeploymentHandle):
         super().__init__(handle, "verify")
 
-    async def verify(self, session_id: str, sync: SyncPoint, proposal: Proposal, params: SamplingParams) -> VerifyReply:
-        return await self._call(session_id, sync, proposal, params)
+    async def verify(self, request: VerifyRequest) -> VerifyReply:
+        return await self._call(request)
 
 
 @serve.deployment(name="gateway")

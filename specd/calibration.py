@@ -9,9 +9,9 @@ import contextlib
 import uuid
 from dataclasses import replace
 
+from specd.contracts import SamplingParams
 from specd.loop import GenerationRequest, RoundRecord, Services, forget, generate
 from specd.policy import PolicyConfig, PolicyState, RoundObservation, calibrated, calibration_ks
-from specd.sampling import SamplingParams
 from specd.stopping import Decode, StopRules
 
 SCRATCH_PROMPT = (1,) * 8  # any tokens: only the timings count, and the scratch session is forgotten

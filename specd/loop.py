@@ -17,70 +17,33 @@ from typing import AsyncIterator, Awaitable, Callable, Protocol, Sequence, TypeV
 
 from opentelemetry import trace
 
+from specd.contracts import (
+    DraftReply,
+    Proposal,
+    ProposeRequest,
+    SamplingParams,
+    StaleSession,
+    SyncPoint,
+    VerifyReply,
+    VerifyRequest,
+)
 from specd.policy import PolicyConfig, PolicyState, RoundObservation, inherit, lookahead, next_k, observe
-from specd.sampling import SamplingParams
 from specd.session import ServiceCursor, SessionState, SessionStats, SessionStore
 from specd.stopping import Decode, StopChecker, StopRules
-from specd.verify import Proposal, Verdict
 
 EMPTY_PROPOSAL = Proposal((), ())
 T = TypeVar("T")
 tracer = trace.get_tracer(__name__)  # the vendor-neutral API: a no-op until a service installs a provider
 
 
-@dataclass(frozen=True)
-class SyncPoint:
-    """The committed sequence is (what the service holds)[:start_pos] + tokens."""
-
-    start_pos: int
-    tokens: tuple[int, ...]
-    instance_id: str = ""  # the engine instance believed to hold the prefix; "" when start_pos = 0
-
-
-@dataclass(frozen=True)
-class DraftReply:
-    proposal: Proposal
-    position: int  # committed length the draft synced to before drafting
-    instance_id: str = ""
-    compute_s: float = 0.0
-    reused: int = 0  # leading drafts made ahead during the previous round (not in compute_s)
-    queued_s: float = 0.0  # waited for the model before the pass began: load, not the network
-
-
-@dataclass(frozen=True)
-class VerifyReply:
-    verdict: Verdict
-    position: int  # the target's committed length after this round
-    instance_id: str = ""
-    compute_s: float = 0.0
-    queued_s: float = 0.0  # waited for the model before the pass began: load, not the network
-    batch_size: int = 1  # sessions whose verifications shared the pass that compute_s timed
-
-
-class StaleSession(Exception):
-    """The service no longer holds the prefix we assumed (restart, eviction, other replica)."""
-
-    def __init__(self, position: int):
-        super().__init__(f"service holds {position} tokens of this session")
-        self.position = position
-
-
 class Drafter(Protocol):
-    async def propose(
-        self, session_id: str, sync: SyncPoint, k: int, params: SamplingParams, lookahead: int = 0,
-        min_confidence: float = 0.0,
-    ) -> DraftReply:
-        """Draft k tokens (fewer with a confidence stop: after one the draft gave probability
-        < min_confidence); then, when lookahead > 0, go on drafting that many past them while
-        the target verifies (pipelining: the next call takes those still on the committed path)."""
+    async def propose(self, request: ProposeRequest) -> DraftReply: ...
 
     async def release(self, session_id: str) -> None: ...
 
 
 class Verifier(Protocol):
-    async def verify(
-        self, session_id: str, sync: SyncPoint, proposal: Proposal, params: SamplingParams
-    ) -> VerifyReply: ...
+    async def verify(self, request: VerifyRequest) -> VerifyReply: ...
 
     async def release(self, session_id: str) -> None: ...
 
@@ -181,7 +144,7 @@ async def generate(
                 ahead = lookahead(state.policy, k, request.policy)
                 if k > 0:
                     drafting = await _call(draft, committed, lambda s: services.drafter.propose(
-                        session_id, s, k, request.params, ahead, _min_confidence(request)
+                        ProposeRequest(session_id, s, k, request.params, ahead, _min_confidence(request))
                     ))
                 drafted: DraftReply | None = drafting and drafting.reply
                 proposal = drafted.proposal if drafted else EMPTY_PROPOSAL
@@ -190,7 +153,9 @@ async def generate(
                 k = len(proposal.tokens)  # a confidence stop may have drafted fewer
                 # 2. verify
                 verifying = await _call(
-                    target, committed, lambda s: services.verifier.verify(session_id, s, proposal, request.params)
+                    target, committed, lambda s: services.verifier.verify(
+                        VerifyRequest(session_id, s, proposal, request.params)
+                    )
                 )
                 verified: VerifyReply = verifying.reply
                 a = verified.verdict.num_accepted

@@ -1,4 +1,4 @@
-"""Sampling parameters, logits warping and seeded position-keyed randomness.
+"""Logits warping and seeded position-keyed randomness, for the `SamplingParams` a request carries.
 
 Both models' logits go through the same `warp` so that verification compares the
 distributions the user asked for. Randomness is keyed by (seed, stream, absolute
@@ -9,34 +9,11 @@ never consulted twice for a decision that reached the committed output.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
-from specd.validation import validate_that
-
-MAX_TOP_K = 1 << 20
-GREEDY_BELOW = 1e-5  # a temperature below this decodes greedily, as in vLLM: logits / 1e-300 overflow
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 0.0  # 0 (or anything below GREEDY_BELOW) means greedy
-    top_k: int = 0  # 0 disables top-k
-    top_p: float = 1.0  # 1 disables nucleus filtering
-    seed: int = 0
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < GREEDY_BELOW
-
-    def validate(self) -> "SamplingParams":
-        validate_that(0.0 <= self.temperature <= 100.0, "temperature must be in [0, 100] (0 = greedy)")
-        validate_that(0 <= self.top_k <= MAX_TOP_K, f"top_k must be in [0, {MAX_TOP_K}] (0 = off)")
-        validate_that(0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]")
-        validate_that(0 <= self.seed < 2**63, "seed must be in [0, 2^63)")
-        return self
+from specd.contracts import SamplingParams  # re-exported: the wire type lives in specd/contracts.py
 
 
 def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

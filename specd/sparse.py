@@ -13,23 +13,13 @@ send no distributions at all: only K token ids.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
+from specd.contracts import SparseDist  # re-exported: the wire type lives in specd/contracts.py
+
 MAX_SUPPORT = 4096
 TAIL_MASS = 1e-4
-
-
-@dataclass(frozen=True)
-class SparseDist:
-    token_ids: bytes  # int32 little-endian, [n]
-    probs: bytes  # float16 little-endian, [n], unnormalised
-
-    @property
-    def nbytes(self) -> int:
-        return len(self.token_ids) + len(self.probs)
 
 
 def encode(q: torch.Tensor) -> SparseDist:

@@ -11,11 +11,18 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from specd.loop import DraftReply, StaleSession, SyncPoint, VerifyReply
+from specd.contracts import (
+    DraftReply,
+    Proposal,
+    ProposeRequest,
+    StaleSession,
+    SyncPoint,
+    Verdict,
+    VerifyReply,
+    VerifyRequest,
+)
 from specd.policy import PolicyState
-from specd.sampling import SamplingParams
 from specd.session import Fenced, Lease, SessionNotFound, SessionState
-from specd.verify import Proposal, Verdict
 
 NextToken = Callable[[Sequence[int]], int]
 VOCAB = 50
@@ -81,19 +88,16 @@ class FakeDrafter(FakeService):
     confidence: Callable[[Sequence[int]], float] = lambda prefix: 1.0  # the draft's probability of its next token
     runner_up: NextToken | None = None  # greedy: its second choice after a prefix, offered as a sibling
 
-    async def propose(
-        self, session_id: str, sync: SyncPoint, k: int, params: SamplingParams, lookahead: int = 0,
-        min_confidence: float = 0.0,
-    ) -> DraftReply:
-        tokens = self._sync(session_id, sync)
+    async def propose(self, request: ProposeRequest) -> DraftReply:
+        tokens = self._sync(request.session_id, request.sync)
         position = len(tokens)
-        for _ in range(k):
-            sure = self.confidence(tokens) >= min_confidence
+        for _ in range(request.k):
+            sure = self.confidence(tokens) >= request.min_confidence
             tokens.append(self.rule(tokens))
             if not sure:
                 break
         drafted = len(tokens) - position
-        sibling = self.runner_up(tokens[:position]) if self.runner_up and drafted and params.greedy else None
+        sibling = self.runner_up(tokens[:position]) if self.runner_up and drafted and request.params.greedy else None
         proposal = Proposal(tuple(tokens[position:]), (), None if drafted and sibling == tokens[position] else sibling)
         return DraftReply(proposal, position, self.instance_id, self.compute_s * drafted, 0, await self._wait())
 
@@ -102,8 +106,8 @@ class FakeDrafter(FakeService):
 class FakeVerifier(FakeService):
     siblings: list[int | None] = field(default_factory=list)  # the sibling of every proposal verified
 
-    async def verify(self, session_id: str, sync: SyncPoint, proposal: Proposal, params: SamplingParams) -> VerifyReply:
-        tokens = self._sync(session_id, sync)
+    async def verify(self, request: VerifyRequest) -> VerifyReply:
+        tokens, proposal = self._sync(request.session_id, request.sync), request.proposal
         self.siblings.append(proposal.sibling)
         accepted = 0
         for drafted in proposal.tokens:

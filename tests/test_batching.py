@@ -1,9 +1,9 @@
 """Cross-session batching: several sessions' verifications in one target pass, and their
 drafting steps in one draft pass each.
 
-Speculation level: `verify_batch` decides exactly what `verify_proposal` decides one session at
-a time, and `draft_batch` drafts what `propose` drafts for each session alone (greedy and
-sampled, mixed K and lengths). Service level, real gRPC servers with the tiny float64 pair:
+Role engines: `TargetEngine.verify` on a batch decides exactly what it decides one session at a
+time, and `DraftEngine.propose` on a batch drafts what it drafts for each session alone (greedy
+and sampled, mixed K and lengths). Service level, real gRPC servers with the tiny float64 pair:
 concurrent generations are batched in both services and each stays token-identical to the
 target alone; a request that fails in a batch fails alone.
 """
@@ -23,20 +23,11 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from specd.engine import EngineConfig, ModelEngine
-from specd.loop import SyncPoint
-from specd.sampling import SamplingParams
 from specd import sparse
-from specd.speculation import (
-    DraftCall,
-    draft_batch,
-    prepare_draft,
-    prepare_verification,
-    propose,
-    verify_batch,
-    verify_proposal,
-)
-from specd.verify import Proposal
+from specd.contracts import Proposal, ProposeRequest, SamplingParams, SyncPoint, VerifyRequest
+from specd.draft_engine import DraftEngine
+from specd.engine import EngineConfig, ModelEngine
+from specd.target_engine import TargetEngine
 from services.common.worker import Batcher, Batching, EngineWorker, SharedCores
 from services.common import model_service
 from services.draft import convert as draft_convert
@@ -44,11 +35,12 @@ from services.protogen.specd.v1 import coordinator_pb2, draft_pb2_grpc, target_p
 from services.target import convert
 from tests.cluster import Cluster
 from tests.conftest import greedy_reference
+from tests.engines import held, propose, verify_proposal
 
 PROMPTS = [[72, 101, 108, 108, 111], [3, 17, 250, 42, 99, 7, 7, 128, 64, 5, 200], [9], [100, 101, 102, 103] * 4]
 
 
-# -- speculation: verify_batch = verify_proposal per session -----------------------------------
+# -- role engines: a batch = each session alone ----------------------------------------------------
 
 
 @pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=1.0, top_k=6, seed=3)],
@@ -65,11 +57,12 @@ def test_verify_batch_decides_what_one_session_at_a_time_decides(tiny_pair, para
         proposals = {str(s): replace(propose(draft, str(s), (s + round_) % 5, params), sibling=None)
                      for s in range(len(PROMPTS))}
         expected = {s: verify_proposal(alone, s, p, params) for s, p in proposals.items()}
-        checked = [prepare_verification(batched, s, p, params) for s, p in proposals.items()]
-        for v, verdict in zip(checked, verify_batch(batched, checked)):
-            assert verdict == expected[v.session_id]
-            assert batched.tokens(v.session_id) == alone.tokens(v.session_id)
-            draft.sync(v.session_id, v.position + verdict.num_accepted, [verdict.next_token])
+        requests = [VerifyRequest(s, held(batched, s), p, params) for s, p in proposals.items()]
+        for request, reply in zip(requests, TargetEngine(batched).verify(requests)):
+            assert reply.verdict == expected[request.session_id]
+            assert reply.batch_size == len(requests)
+            assert batched.tokens(request.session_id) == alone.tokens(request.session_id)
+            draft.sync(request.session_id, request.sync.end + reply.verdict.num_accepted, [reply.verdict.next_token])
 
 
 @pytest.mark.parametrize("min_confidence", [0.0, 0.5], ids=["to-K", "confidence-stop"])
@@ -81,17 +74,17 @@ def test_draft_batch_drafts_what_each_session_drafts_alone(tiny_pair, params, mi
         for engine in (alone, batched):
             engine.sync(str(session), 0, prompt)
     for round_ in range(3):
-        calls = [DraftCall(str(s), batched.position(str(s)), (s + round_) % 5 + 1, params, min_confidence=min_confidence)
-                 for s in range(len(PROMPTS))]
-        drafted = draft_batch(batched, [prepare_draft(batched, call) for call in calls])
-        for call, (proposal, reused) in zip(calls, drafted):
-            expected = propose(alone, call.session_id, call.K, params, min_confidence)
-            assert reused == 0 and proposal.tokens == expected.tokens and len(proposal.q) == len(expected.q)
+        requests = [ProposeRequest(str(s), held(batched, str(s)), (s + round_) % 5 + 1, params,
+                                   min_confidence=min_confidence) for s in range(len(PROMPTS))]
+        for request, reply in zip(requests, DraftEngine(batched).propose(requests)):
+            proposal = reply.proposal
+            expected = propose(alone, request.session_id, request.k, params, min_confidence)
+            assert reply.reused == 0 and proposal.tokens == expected.tokens and len(proposal.q) == len(expected.q)
             for row, expected_row in zip(proposal.q, expected.q):  # equal up to the rounding of a batched matmul
                 assert torch.allclose(sparse.decode(row, alone.vocab_size), sparse.decode(expected_row, alone.vocab_size))
-            assert batched.tokens(call.session_id) == alone.tokens(call.session_id)
+            assert batched.tokens(request.session_id) == alone.tokens(request.session_id)
             for engine in (alone, batched):  # the round's verdict: one draft accepted, then a recovered token
-                engine.sync(call.session_id, call.position + 1, [(7 * round_ + 1) % 256])
+                engine.sync(request.session_id, request.sync.end + 1, [(7 * round_ + 1) % 256])
 
 
 def test_a_confidence_stop_ends_the_draft_after_its_first_unsure_token(tiny_pair):
@@ -353,9 +346,8 @@ def test_a_request_that_fails_in_a_batch_fails_alone(cluster):
 
     def verify(session: str):
         sync, drafts, _ = calls[session]
-        request = convert.verify_request(session, sync, Proposal(drafts, ()), SamplingParams())
-        if not drafts:
-            request = convert.step_request(session, sync, SamplingParams())
+        request = VerifyRequest(session, sync, Proposal(drafts, ()), SamplingParams())
+        request = convert.verify_to_proto(request) if drafts else convert.step_to_proto(request)
         with grpc.insecure_channel(cluster.address("target")) as channel:
             stub = target_pb2_grpc.TargetServiceStub(channel)
             return (stub.Verify if drafts else stub.Step)(request, timeout=60)
@@ -365,7 +357,7 @@ def test_a_request_that_fails_in_a_batch_fails_alone(cluster):
     for session, (code, reply) in outcomes.items():
         assert code == calls[session][2], session
     for session in ("batch-ok-1", "batch-ok-2"):
-        reply = convert.verify_reply(outcomes[session][1])
+        reply = convert.reply_from_proto(outcomes[session][1])
         assert reply.verdict == expected[session]
         assert reply.queued_s >= HELD_S > reply.compute_s  # the wait is reported as queueing, not as the pass
         assert reply.batch_size == 4  # its compute_s timed the others' rows too
@@ -394,7 +386,7 @@ def test_proposals_that_queue_draft_together_and_one_that_fails_fails_alone(clus
 
     def propose_rpc(session: str):
         sync, k, _ = calls[session]
-        request = draft_convert.propose_request(session, sync, k, params)
+        request = draft_convert.propose_to_proto(ProposeRequest(session, sync, k, params))
         with grpc.insecure_channel(cluster.address("draft")) as channel:
             return draft_pb2_grpc.DraftServiceStub(channel).Propose(request, timeout=60)
 
@@ -403,11 +395,11 @@ def test_proposals_that_queue_draft_together_and_one_that_fails_fails_alone(clus
     for session, (code, reply) in outcomes.items():
         assert code == calls[session][2], session
     for session, proposal in expected.items():
-        reply = draft_convert.draft_reply(outcomes[session][1])
+        reply = draft_convert.reply_from_proto(outcomes[session][1])
         assert reply.proposal.tokens == proposal.tokens and reply.position == len(calls[session][0].tokens)
         assert reply.queued_s >= HELD_S > reply.compute_s
     # one pass: a session is charged the drafting steps it took part in (2 of 4), the rest is waiting
-    short, long = (draft_convert.draft_reply(outcomes[s][1]) for s in ("draft-ok-1", "draft-ok-2"))
+    short, long = (draft_convert.reply_from_proto(outcomes[s][1]) for s in ("draft-ok-1", "draft-ok-2"))
     assert short.compute_s == pytest.approx(long.compute_s / 2)
 
 
@@ -417,12 +409,12 @@ def test_each_request_of_a_batch_gets_its_own_span_under_its_own_rpc(cluster, mo
     tracer = provider.get_tracer("test")  # the process's global provider stays untouched
     monkeypatch.setattr(model_service, "tracer", tracer)
     servicer = cluster.target
-    calls = [convert.VerifyCall(f"span-{k}", SyncPoint(0, (72, 101, 108)), Proposal(tuple(range(1, k + 1)), ()),
-                                SamplingParams()) for k in range(3)]
+    calls = [VerifyRequest(f"span-{k}", SyncPoint(0, (72, 101, 108)), Proposal(tuple(range(1, k + 1)), ()),
+                           SamplingParams()) for k in range(3)]
 
-    async def rpc(call: convert.VerifyCall):
+    async def rpc(call: VerifyRequest):
         with tracer.start_as_current_span(f"rpc {call.session_id}"):  # stands in for the gRPC server span
-            return await servicer._verify(call)
+            return await servicer.verify(call)
 
     async def batch():
         release = threading.Event()
@@ -445,5 +437,5 @@ def test_each_request_of_a_batch_gets_its_own_span_under_its_own_rpc(cluster, mo
         assert work.parent.span_id == parent.context.span_id
         a = work.attributes
         assert (a["specd.k"], a["specd.accepted"], a["specd.position"], a["specd.batch_size"]) == (
-            k, reply.num_accepted, 3, len(calls))
+            k, reply.verdict.num_accepted, 3, len(calls))
         assert reply.compute_s == pytest.approx(replies[0].compute_s)  # the batch's model time

@@ -68,11 +68,11 @@ class RowPricedVerifier(FakeVerifier):
     warm_up_calls: int = 5
     synced: list[int] = field(default_factory=list)
 
-    async def verify(self, session_id, sync, proposal, params):
-        reply = await super().verify(session_id, sync, proposal, params)
-        self.synced.append(len(sync.tokens))
+    async def verify(self, request):
+        reply = await super().verify(request)
+        self.synced.append(len(request.sync.tokens))
         cold = 1.0 if self.calls <= self.warm_up_calls else 0.0
-        return replace(reply, compute_s=cold + 0.4 + 0.05 * len(proposal.tokens))
+        return replace(reply, compute_s=cold + 0.4 + 0.05 * len(request.proposal.tokens))
 
 
 def test_calibration_times_each_k_on_a_scratch_session_and_forgets_it():

@@ -2,9 +2,9 @@
 follow the target's warped distribution, at the first and the second generated position, with
 and without a confidence stop in drafting.
 
-Runs the services' own model-side functions (`propose`, `verify_proposal`) on two engines,
-over many seeds, and compares with the exact distributions computed from the target alone
-with a chi-square test. The negative case swaps the residual for p and must fail.
+Runs the services' own role engines (`DraftEngine`, `TargetEngine`, one session at a time) on
+two model engines, over many seeds, and compares with the exact distributions computed from the
+target alone with a chi-square test. The negative case swaps the residual for p and must fail.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 from specd import verify as verify_mod
 from specd.engine import EngineConfig, ModelEngine
 from specd.sampling import SamplingParams, warp
-from specd.speculation import propose, verify_proposal
+from tests.engines import propose, verify_proposal
 
 PARAMS = dict(temperature=1.0, top_k=6, top_p=1.0)
 N_SAMPLES = 2500

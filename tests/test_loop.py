@@ -9,9 +9,9 @@ from dataclasses import replace
 
 import pytest
 
+from specd.contracts import SamplingParams, VerifyReply
+from specd.loop import Chunk, Finished, GenerationRequest, RoundRecord, Services, generate
 from specd.policy import PolicyConfig
-from specd.loop import Chunk, Finished, GenerationRequest, RoundRecord, Services, VerifyReply, generate
-from specd.sampling import SamplingParams
 from specd.session import Fenced
 from specd.stopping import StopRules
 from tests.fakes import FakeDrafter, FakeStore, FakeVerifier, draft_rule, target_alone, target_rule
@@ -212,9 +212,9 @@ def test_a_named_session_continues_without_re_prefill():
     syncs = []
     original = verifier.verify
 
-    async def recording_verify(session_id, sync, proposal, params):
-        syncs.append(sync)
-        return await original(session_id, sync, proposal, params)
+    async def recording_verify(request):
+        syncs.append(request.sync)
+        return await original(request)
 
     verifier.verify = recording_verify
     first = run(request(max_tokens=10, k=3), drafter, verifier, store=store, session="chat", ephemeral=False)[-1]

@@ -15,7 +15,8 @@ from dataclasses import replace
 import grpc
 import pytest
 
-from specd import speculation
+from specd.contracts import ProposeRequest, SamplingParams, SyncPoint
+from specd.draft_engine import DraftEngine
 from specd.engine import EngineConfig, ModelEngine
 from specd.policy import (
     PIPELINE_RETRY,
@@ -29,10 +30,7 @@ from specd.policy import (
     pipelining_pays,
     round_time,
 )
-from specd.loop import SyncPoint
-from specd.sampling import SamplingParams
 from services.coordinator.requests import Limits
-from services.draft.convert import ProposeCall
 from services.draft.server import DraftServicer
 from services.protogen.specd.v1 import coordinator_pb2
 from tests.cluster import Cluster
@@ -45,59 +43,79 @@ K = 3
 
 
 @pytest.fixture(scope="module")
-def draft(tiny_pair) -> ModelEngine:
-    return ModelEngine(EngineConfig(tiny_pair[0], dtype="float64"))
+def draft(tiny_pair) -> DraftEngine:
+    return DraftEngine(ModelEngine(EngineConfig(tiny_pair[0], dtype="float64")))
 
 
-def fresh_proposal(engine: ModelEngine, committed: list[int], k: int, params: SamplingParams):
-    engine.release("fresh")
-    engine.sync("fresh", 0, committed)
-    return speculation.propose(engine, "fresh", k, params)
+def proposed(draft: DraftEngine, request: ProposeRequest):
+    [reply] = draft.propose([request])
+    assert not isinstance(reply, Exception), reply
+    return reply
 
 
-def propose_and_draft_ahead(engine: ModelEngine, params: SamplingParams, session: str = "s"):
-    engine.release(session)
-    engine.sync(session, 0, PROMPT)
-    first = speculation.propose(engine, session, K, params)
-    ahead = speculation.Ahead(params, {})
+def fresh_proposal(draft: DraftEngine, committed: list[int], k: int, params: SamplingParams):
+    draft.release("fresh")
+    return proposed(draft, ProposeRequest("fresh", SyncPoint(0, tuple(committed)), k, params)).proposal
+
+
+def propose_and_draft_ahead(draft: DraftEngine, params: SamplingParams, session: str = "s"):
+    draft.release(session)
+    request = ProposeRequest(session, SyncPoint(0, tuple(PROMPT)), K, params, lookahead=K + 1)
+    first = proposed(draft, request).proposal
     for _ in range(K + 1):  # the bonus guess, then the next round's K
-        speculation.draft_ahead(engine, session, ahead)
-    return first, ahead
+        assert draft.draft_ahead(request)
+    assert not draft.draft_ahead(request)  # its lookahead is drafted
+    return first
+
+
+def next_round(draft: DraftEngine, bonus: int, params: SamplingParams, session: str = "s"):
+    """The round after a full acceptance of K drafts whose bonus token was `bonus`."""
+    sync = SyncPoint(len(PROMPT) + K, (bonus,), draft.engine.instance_id)
+    return proposed(draft, ProposeRequest(session, sync, K, params))
 
 
 @pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
 def test_drafts_made_ahead_are_the_drafts_the_next_round_would_make(draft, params):
-    first, ahead = propose_and_draft_ahead(draft, params)
+    first = propose_and_draft_ahead(draft, params)
     n = len(PROMPT) + K
-    guess = draft.tokens("s")[n]  # the draft's own guess of the bonus token
-    assert speculation.held_ahead(draft, "s", n, [guess]) == K  # full acceptance, the guess was right
+    guess = draft.engine.tokens("s")[n]  # the draft's own guess of the bonus token
     committed = PROMPT + list(first.tokens) + [guess]
-    proposal, reused = speculation.propose_after(draft, speculation.DraftCall("s", len(committed), K, params, ahead))
-    assert reused == K
-    assert proposal == replace(fresh_proposal(draft, committed, K, params), sibling=None)  # none beside a held draft
-    assert len(proposal.q) == (0 if params.greedy else K)
+    reply = next_round(draft, guess, params)  # full acceptance, the guess was right
+    assert reply.reused == K and reply.position == len(committed)
+    # no sibling stands beside a held draft
+    assert reply.proposal == replace(fresh_proposal(draft, committed, K, params), sibling=None)
+    assert len(reply.proposal.q) == (0 if params.greedy else K)
 
 
 @pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
 def test_a_lost_bet_drafts_afresh(draft, params):
-    first, ahead = propose_and_draft_ahead(draft, params)
+    first = propose_and_draft_ahead(draft, params)
     n = len(PROMPT) + K
-    wrong_bonus = (draft.tokens("s")[n] + 1) % 256
-    assert speculation.held_ahead(draft, "s", n, [wrong_bonus]) == 0
-    draft.sync("s", n, [wrong_bonus])  # what the servicer does when nothing held is usable
+    wrong_bonus = (draft.engine.tokens("s")[n] + 1) % 256
     committed = PROMPT + list(first.tokens) + [wrong_bonus]
-    proposal, reused = speculation.propose_after(draft, speculation.DraftCall("s", len(committed), K, params, ahead))
-    assert reused == 0 and proposal == fresh_proposal(draft, committed, K, params)
+    reply = next_round(draft, wrong_bonus, params)
+    assert reply.reused == 0 and reply.proposal == fresh_proposal(draft, committed, K, params)
 
 
 def test_drafts_made_with_other_params_are_not_reused(draft):
-    first, ahead = propose_and_draft_ahead(draft, SAMPLED)
+    first = propose_and_draft_ahead(draft, SAMPLED)
     n = len(PROMPT) + K
-    guess = draft.tokens("s")[n]
+    guess = draft.engine.tokens("s")[n]
     committed = PROMPT + list(first.tokens) + [guess]
     other = SamplingParams(temperature=0.8, top_k=20, seed=8)
-    proposal, reused = speculation.propose_after(draft, speculation.DraftCall("s", len(committed), K, other, ahead))
-    assert reused == 0 and proposal == fresh_proposal(draft, committed, K, other)
+    reply = next_round(draft, guess, other)
+    assert reply.reused == 0 and reply.proposal == fresh_proposal(draft, committed, K, other)
+
+
+def test_a_newer_call_settles_the_bet(draft):
+    """A proposal for the session ends the drafting ahead of the one before it."""
+    draft.release("s")
+    request = ProposeRequest("s", SyncPoint(0, tuple(PROMPT)), K, GREEDY, lookahead=K + 1)
+    proposed(draft, request)
+    assert draft.draft_ahead(request)
+    newer = ProposeRequest("s", SyncPoint(0, tuple(PROMPT)), K, GREEDY, lookahead=K + 1)
+    proposed(draft, newer)
+    assert not draft.draft_ahead(request) and draft.draft_ahead(newer)
 
 
 # --- the cost model -------------------------------------------------------------------------
@@ -149,15 +167,15 @@ def test_releasing_a_session_drops_the_drafts_it_made_ahead(tiny_pair):
     servicer = DraftServicer.load(EngineConfig(tiny_pair[0]), "draft")
 
     async def main():
-        await servicer.propose(ProposeCall("s", SyncPoint(0, tuple(PROMPT)), K, GREEDY, lookahead=K + 1))
+        await servicer.propose(ProposeRequest("s", SyncPoint(0, tuple(PROMPT)), K, GREEDY, lookahead=K + 1))
         await asyncio.gather(*servicer._drafting)
-        held = "s" in servicer._ahead
+        held = "s" in servicer.role_engine._ahead
         await servicer.worker.run(servicer.release_session, "s")
         return held
 
     try:
         assert asyncio.run(main())
-        assert "s" not in servicer._ahead and servicer.engine.position("s") == 0
+        assert "s" not in servicer.role_engine._ahead and servicer.engine.position("s") == 0
     finally:
         servicer.close()
 

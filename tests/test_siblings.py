@@ -1,16 +1,18 @@
 """Siblings: the draft's runner-up for the first position, scored by the target in a row its
-pass pads to anyway (specd/verify.py, specd/ragged.py `Branch`, `speculation.verify_batch`)."""
+pass pads to anyway (specd/verify.py, specd/ragged.py `Branch`, `TargetEngine.verify`)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from specd import kernels, speculation
+from specd import kernels
+from specd.contracts import Proposal, SamplingParams, Verdict, VerifyRequest
 from specd.engine import EngineConfig, ModelEngine
-from specd.sampling import SamplingParams
-from specd.verify import Proposal, Verdict, verify_greedy
+from specd.target_engine import TargetEngine
+from specd.verify import verify_greedy
 from tests.conftest import greedy_reference
+from tests.engines import held, propose, verify_proposal
 
 PROMPT = [3, 17, 250, 42, 99, 7, 7, 128, 64, 5, 200]
 GREEDY = SamplingParams()
@@ -79,7 +81,7 @@ def test_the_engine_refuses_a_sibling_it_cannot_score(tiny_pair):
     assert engine(tiny_pair[0], quantize="int8").spare_rows([]) == 0  # no padded path: no spare rows
 
 
-# -- one round through speculation ---------------------------------------------------------------
+# -- one round through the target engine----------------------------------------------------------
 
 
 def test_a_won_sibling_commits_the_targets_next_two_tokens(tiny_pair):
@@ -87,8 +89,7 @@ def test_a_won_sibling_commits_the_targets_next_two_tokens(tiny_pair):
     wrong = (y[0] + 1) % 256
     e = cached(engine(tiny_pair[1], dtype="float64"), "s")
     proposal = Proposal((wrong, 0), (), sibling=y[0])
-    [verdict] = speculation.verify_batch(e, [speculation.prepare_verification(e, "s", proposal, GREEDY)])
-    assert verdict == Verdict(0, y[0], after_sibling=y[1])
+    assert verify_proposal(e, "s", proposal, GREEDY) == Verdict(0, y[0], after_sibling=y[1])
     assert list(e.tokens("s")) == PROMPT + y and e.kv_length("s") == len(PROMPT)
 
 
@@ -100,18 +101,18 @@ def test_siblings_take_only_the_spare_rows_in_batch_order(tiny_pair):
     wrong = (y[0] + 1) % 256
     proposals = {"a": Proposal((wrong, 0), (), y[0]), "b": Proposal((wrong, 0, 0), (), y[0])}
     # 3 + 4 rows, padded to 8: one spare row, for the first session that offers a sibling
-    verdicts = speculation.verify_batch(e, [speculation.prepare_verification(e, s, p, GREEDY) for s, p in proposals.items()])
-    assert verdicts == [Verdict(0, y[0], after_sibling=y[1]), Verdict(0, y[0])]
+    replies = TargetEngine(e).verify([VerifyRequest(s, held(e, s), p, GREEDY) for s, p in proposals.items()])
+    assert [reply.verdict for reply in replies] == [Verdict(0, y[0], after_sibling=y[1]), Verdict(0, y[0])]
 
 
 def test_bad_siblings_are_refused_before_any_work(tiny_pair):
     e = cached(engine(tiny_pair[1]), "s")
     sampled = SamplingParams(temperature=1.0, seed=1)
-    q = speculation.propose(cached(engine(tiny_pair[0]), "s"), "s", 1, sampled).q
+    q = propose(cached(engine(tiny_pair[0]), "s"), "s", 1, sampled).q
     for proposal, params in [(Proposal((5,), q, 6), sampled), (Proposal((5,), (), 5), GREEDY),
                              (Proposal((), (), 5), GREEDY), (Proposal((5,), (), e.vocab_size), GREEDY)]:
         with pytest.raises(ValueError, match="sibling"):
-            speculation.prepare_verification(e, "s", proposal, params)
+            verify_proposal(e, "s", proposal, params)
     assert e.tokens("s") == tuple(PROMPT)
 
 
@@ -122,10 +123,10 @@ def test_a_greedy_proposal_carries_the_runner_up_to_its_first_draft(tiny_pair):
     draft = cached(engine(tiny_pair[0]), "s")
     with torch.inference_mode():
         first = draft.model(torch.tensor([PROMPT])).logits[0, -1]  # [vocab]
-    proposal = speculation.propose(draft, "s", 3, GREEDY)
+    proposal = propose(draft, "s", 3, GREEDY)
     assert proposal.tokens[0] == int(first.argmax()) and proposal.sibling == int(first.topk(2).indices[1])
     draft.truncate("s", len(PROMPT))
-    assert speculation.propose(draft, "s", 3, SamplingParams(temperature=1.0, seed=3)).sibling is None
+    assert propose(draft, "s", 3, SamplingParams(temperature=1.0, seed=3)).sibling is None
 
 
 def test_the_runner_up_is_another_token_when_the_top_logits_tie(tiny_pair, monkeypatch):
@@ -139,6 +140,6 @@ def test_the_runner_up_is_another_token_when_the_top_logits_tie(tiny_pair, monke
         return logits
 
     monkeypatch.setattr(draft, "forward_many", tied)
-    proposal = speculation.propose(draft, "s", 2, GREEDY)
+    proposal = propose(draft, "s", 2, GREEDY)
     assert proposal.tokens[0] == 5 and proposal.sibling == 9
-    speculation.prepare_verification(target, "s", proposal, GREEDY)  # a sibling the target takes
+    verify_proposal(target, "s", proposal, GREEDY)  # a sibling the target takes

@@ -11,7 +11,6 @@ from typing import Any, Awaitable, TypeVar
 import grpc
 
 from services.common.errors import stale_session
-from services.protogen.specd.v1 import common_pb2
 
 R = TypeVar("R")
 
@@ -40,10 +39,6 @@ async def call(rpc: Awaitable[R]) -> R:
         if stale is None:
             raise
         raise stale from error
-
-
-def session_ref(session_id: str) -> common_pb2.SessionRef:
-    return common_pb2.SessionRef(session_id=session_id)
 
 
 class NetworkDelay:

@@ -24,10 +24,9 @@ from prometheus_client import (
     generate_latest,
 )
 
-from specd.loop import Chunk, Finished
-
-if TYPE_CHECKING:  # the coordinator imports this module and has no use for torch
+if TYPE_CHECKING:  # the coordinator has no use for torch, the model services none for the loop
     from specd.engine import ModelEngine
+    from specd.loop import Finished
 
 # As vLLM does: a `_created` gauge per counter doubles the series and nobody queries it.
 disable_created_metrics()
@@ -84,7 +83,7 @@ class CoordinatorMetrics:
 
     @contextmanager
     def request(self, prompt_tokens: int) -> Iterator["RequestTracker"]:
-        """Track one request; hand it every event the loop yields."""
+        """Track one request; tell it of every chunk the loop yields, and of the end."""
         self.running.inc()
         try:
             yield RequestTracker(self, prompt_tokens)
@@ -100,17 +99,15 @@ class RequestTracker:
         self.last = 0.0
         self.tokens = 0
 
-    def observe(self, event: Chunk | Finished) -> None:
+    def chunk(self, token_ids: tuple[int, ...]) -> None:
         now = time.perf_counter()
-        if isinstance(event, Chunk):
-            if self.first is None:
-                self.first = now
-                self.metrics.ttft.observe(now - self.start)
-            self.last, self.tokens = now, self.tokens + len(event.token_ids)
-        else:
-            self._finished(event, now)
+        if self.first is None:
+            self.first = now
+            self.metrics.ttft.observe(now - self.start)
+        self.last, self.tokens = now, self.tokens + len(token_ids)
 
-    def _finished(self, done: Finished, now: float) -> None:
+    def finished(self, done: Finished) -> None:
+        now = time.perf_counter()
         m, stats = self.metrics, done.stats
         m.success.labels(done.finish_reason).inc()
         m.prompt_tokens.inc(self.prompt_tokens)

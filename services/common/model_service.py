@@ -1,64 +1,49 @@
-"""What the draft and target servicers share: an engine behind one worker thread, calls that
-queue while it is busy going through one model pass together (each with its own span, error
-and answer), and the session RPCs (GetSession, Release)."""
+"""What the draft and target servicers share: a role engine (specd/role_engine.py) behind one
+worker thread, to which the calls that queue while it is busy go as one batch (each with its own
+span, error and answer), and the session RPCs (GetSession, Release)."""
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Generic, Protocol, Self, TypeVar
+from dataclasses import dataclass, field, replace
+from typing import Any, Generic, Self, TypeVar
 
 import grpc
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Span, Status, StatusCode
 
-from specd.engine import EngineConfig, ModelEngine, PositionMismatch
-from specd.loop import SyncPoint
+from specd.contracts import DraftReply, ProposeRequest, VerifyReply, VerifyRequest
+from specd.engine import EngineConfig, ModelEngine
+from specd.role_engine import RoleEngine
 from services.common import convert
 from services.common.errors import grpc_errors
 from services.common.metrics import ModelMetrics
 from services.common.worker import Batcher, Batching, EngineWorker, SharedCores
 from services.protogen.specd.v1 import common_pb2
 
-R = TypeVar("R")
-P = TypeVar("P")  # a call prepared for the batch's pass
-X = TypeVar("X")  # what the pass made of it
+Request = TypeVar("Request", ProposeRequest, VerifyRequest)
+Reply = TypeVar("Reply", DraftReply, VerifyReply)
 tracer = trace.get_tracer(__name__)
 
 
-class SessionCall(Protocol):
-    session_id: str
-    sync: SyncPoint
-
-
-C = TypeVar("C", bound=SessionCall)
-Outcome = tuple[R, dict[str, Any]] | Exception  # a result and its span's attributes, or that call's error
-
-
 @dataclass(frozen=True)
-class Queued(Generic[C]):
-    call: C
+class Queued(Generic[Request]):
+    request: Request
     parent: otel_context.Context  # the RPC's trace context: its model span hangs under it
     at: float = field(default_factory=time.perf_counter)  # when it was queued
 
 
-@dataclass(frozen=True)
-class Done(Generic[R]):
-    result: R
-    compute_s: float  # the whole batch's model time: what this request waited on
-    queued_s: float = 0.0  # from queueing to the start of its pass (other passes, the other service's turn)
-    batch_size: int = 1  # requests that shared the pass
+class ModelServicer(Generic[Request, Reply]):
+    role: str  # "draft" or "target": its spans are named "<role>.<stage>"
 
-
-class ModelServicer:
-    batcher: Batcher  # the subclass's, from make_batcher
-
-    def __init__(self, engine: ModelEngine, name: str, worker: EngineWorker):
-        """`worker` is the thread that built `engine`, the only one that may run it (see `load`)."""
-        self.engine = engine
+    def __init__(self, role_engine: RoleEngine, worker: EngineWorker, batching: Batching):
+        """`worker` is the thread that built the engine, the only one that may run it (see `load`)."""
+        self.role_engine = role_engine
+        self.engine = role_engine.engine
         self.worker = worker
         self.metrics = ModelMetrics()
+        self.batcher = Batcher(worker, self._run_batch, key=lambda queued: queued.request.session_id, batching=batching)
 
     @classmethod
     def load(cls, config: EngineConfig, name: str, cores: SharedCores | None = None, **kwargs) -> Self:
@@ -67,78 +52,79 @@ class ModelServicer:
         worker = EngineWorker(name, cores)
         return cls(worker.call(ModelEngine, config), name, worker, **kwargs)
 
-    def make_batcher(
-        self,
-        prepare: Callable[[C], P],
-        run: Callable[[list[P]], list[X]],
-        answer: Callable[[P, X], Outcome],
-        span_name: Callable[[C], str],
-        batching: Batching,
-    ) -> Batcher[Queued[C], Done]:
-        """Calls queued while the worker is busy go through together, on the worker thread: each
-        is prepared (synced, checked) alone, so its error is its own; the prepared ones go through
-        `run` in one go, which can only fail them all; each gets its own answer and its own span
-        under its RPC's, covering the batch's model time."""
+    async def submit(self, request: Request) -> Reply:
+        """The request's reply from the next batch, under the current (the RPC's) trace context."""
+        return await self.batcher.submit(Queued(request, otel_context.get_current()))
 
-        def outcomes(calls: list[C]) -> list[Outcome]:
-            checked = [_attempt(prepare, call) for call in calls]
-            ready = [c for c in checked if not isinstance(c, Exception)]
-            try:
-                results = iter(run(ready))
-            except Exception as error:  # a pass failed: every request in it fails
-                return [c if isinstance(c, Exception) else error for c in checked]
-            return [c if isinstance(c, Exception) else answer(c, next(results)) for c in checked]
+    # -- what each role fills in ------------------------------------------------------------------
 
-        def run_batch(batch: list[Queued[C]]) -> list[Done | Exception]:
-            start = time.perf_counter()
-            spans = [_start_span(span_name(queued.call), queued, len(batch)) for queued in batch]
-            try:
-                settled = outcomes([queued.call for queued in batch])
-            except Exception as error:
-                settled = [error] * len(batch)
-            finally:
-                self.metrics.engine_changed(self.engine)  # a sync may evict, even one that then fails
-            compute_s = time.perf_counter() - start
-            return [_settle(span, outcome, compute_s, start - q.at, len(batch))
-                    for span, outcome, q in zip(spans, settled, batch)]
+    def _engine_batch(self, requests: list[Request]) -> list[Reply | Exception]:
+        """Worker thread: the role engine's batch call (a reply or that request's error each)."""
+        raise NotImplementedError
 
-        return Batcher(self.worker, run_batch, key=lambda queued: queued.call.session_id, batching=batching)
+    def _stage(self, request: Request) -> str:
+        """The request's model work by name: its span's "<role>.<stage>" and its metric's rpc label."""
+        raise NotImplementedError
 
-    def sync_session(self, session_id: str, sync: SyncPoint) -> int:
-        """Worker thread: bring the session to the committed tokens; returns its position."""
-        self._check_instance(session_id, sync)
-        return self.engine.sync(session_id, sync.start_pos, sync.tokens)
+    def _span_attributes(self, request: Request, reply: Reply) -> dict[str, Any]:
+        raise NotImplementedError
 
-    def _check_instance(self, session_id: str, sync: SyncPoint) -> None:
-        """A prefix held by another process (a restart, another replica) is not ours to build on,
-        even when this process holds a session of that name and length."""
-        if sync.start_pos > 0 and sync.instance_id != self.engine.instance_id:
-            raise PositionMismatch(
-                f"this is instance {self.engine.instance_id}, not {sync.instance_id!r}: resend the session",
-                position=self.engine.position(session_id),
-            )
+    # ---------------------------------------------------------------------------------------------
+
+    def _run_batch(self, batch: list[Queued[Request]]) -> list[Reply | Exception]:
+        """Worker thread: the calls queued while the worker was busy, in one engine call; each gets
+        its own span under its RPC's, covering the batch's model time, and its own answer, with the
+        time it waited for the batch added to its queued_s."""
+        start = time.perf_counter()
+        spans = [self._start_span(queued, len(batch)) for queued in batch]
+        try:
+            replies = self._engine_batch([queued.request for queued in batch])
+        except Exception as error:
+            replies = [error] * len(batch)
+        finally:
+            self.metrics.engine_changed(self.engine)  # a sync may evict, even one that then fails
+        pass_s = time.perf_counter() - start
+        return [self._settle(span, queued, reply, start - queued.at, pass_s)
+                for span, queued, reply in zip(spans, batch, replies, strict=True)]
+
+    def _start_span(self, queued: Queued[Request], batch_size: int) -> Span:
+        request = queued.request
+        attributes = {"specd.session_id": request.session_id, "specd.sync.start_pos": request.sync.start_pos,
+                      "specd.sync.tokens": len(request.sync.tokens), "specd.batch_size": batch_size}
+        return tracer.start_span(f"{self.role}.{self._stage(request)}", context=queued.parent, attributes=attributes)
+
+    def _settle(
+        self, span: Span, queued: Queued[Request], reply: Reply | Exception, waited_s: float, pass_s: float
+    ) -> Reply | Exception:
+        try:
+            if isinstance(reply, Exception):
+                span.record_exception(reply)
+                span.set_status(Status(StatusCode.ERROR, f"{type(reply).__name__}: {reply}"))
+                return reply
+            span.set_attributes(self._span_attributes(queued.request, reply))
+            self.metrics.model_step(self._stage(queued.request), pass_s)
+            return replace(reply, queued_s=reply.queued_s + waited_s)
+        finally:
+            span.end()
 
     def release_session(self, session_id: str) -> None:
         """Worker thread: free the session's cache. Its passes are over: no turn waits for it."""
-        self.engine.release(session_id)
+        self.role_engine.release(session_id)
         self.batcher.forget(session_id)
         self.metrics.engine_changed(self.engine)
 
     def info(self, session_id: str) -> common_pb2.SessionInfo:
-        return common_pb2.SessionInfo(
-            position=self.engine.position(session_id),
-            kv_length=self.engine.kv_length(session_id),
-            instance_id=self.engine.instance_id,
+        return convert.session_info_to_proto(
+            self.engine.position(session_id), self.engine.kv_length(session_id), self.engine.instance_id
         )
 
     @grpc_errors
     async def GetSession(self, request: common_pb2.SessionRef, context: grpc.aio.ServicerContext):
-        session_id = convert.session_id(request.session_id)
-        return await self.worker.run(self.info, session_id)
+        return await self.worker.run(self.info, convert.session_id_from_proto(request))
 
     @grpc_errors
     async def Release(self, request: common_pb2.SessionRef, context: grpc.aio.ServicerContext):
-        session_id = convert.session_id(request.session_id)
+        session_id = convert.session_id_from_proto(request)
 
         def release() -> common_pb2.SessionInfo:
             self.release_session(session_id)
@@ -148,35 +134,3 @@ class ModelServicer:
 
     def close(self) -> None:
         self.worker.close()
-
-
-def queued(call: C) -> Queued[C]:
-    """A call to submit to a `ModelServicer.make_batcher`, under the current (the RPC's) trace context."""
-    return Queued(call, otel_context.get_current())
-
-
-def _attempt(prepare: Callable[[C], P], call: C) -> P | Exception:
-    try:
-        return prepare(call)
-    except Exception as error:
-        return error
-
-
-def _start_span(name: str, queued: Queued, batch_size: int) -> Span:
-    call = queued.call
-    attributes = {"specd.session_id": call.session_id, "specd.sync.start_pos": call.sync.start_pos,
-                  "specd.sync.tokens": len(call.sync.tokens), "specd.batch_size": batch_size}
-    return tracer.start_span(name, context=queued.parent, attributes=attributes)
-
-
-def _settle(span: Span, outcome: Outcome, compute_s: float, queued_s: float, batch_size: int) -> Done | Exception:
-    try:
-        if isinstance(outcome, Exception):
-            span.record_exception(outcome)
-            span.set_status(Status(StatusCode.ERROR, f"{type(outcome).__name__}: {outcome}"))
-            return outcome
-        result, attributes = outcome
-        span.set_attributes(attributes)
-        return Done(result, compute_s, queued_s, batch_size)
-    finally:
-        span.end()

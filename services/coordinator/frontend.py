@@ -43,9 +43,11 @@ class Frontend:
         async with contextlib.aclosing(events):
             with self.metrics.request(len(request.prompt)) as tracked, _traced(named, request) as span:
                 async for event in events:
-                    tracked.observe(event)
                     if isinstance(event, Finished):
+                        tracked.finished(event)
                         span.set_attributes(_outcome(event))
+                    else:
+                        tracked.chunk(event.token_ids)
                     yield event
 
     async def seed_prior(self) -> PolicyState | None:

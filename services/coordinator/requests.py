@@ -8,9 +8,9 @@ import re
 import secrets
 from dataclasses import dataclass
 
+from specd.contracts import SamplingParams
 from specd.loop import GenerationRequest
 from specd.policy import PolicyConfig
-from specd.sampling import SamplingParams
 from specd.stopping import StopRules
 from specd.validation import validate_that
 from services.coordinator.model_info import ModelInfo

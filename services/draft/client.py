@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from specd.loop import DraftReply, SyncPoint
-from specd.sampling import SamplingParams
-from services.common.client import call, session_ref, timeout
+from specd.contracts import DraftReply, ProposeRequest
+from services.common.client import call, timeout
+from services.common.convert import session_ref_to_proto
 from services.common.replicas import Replicas
 from services.draft import convert
 from services.protogen.specd.v1 import draft_pb2_grpc
@@ -17,15 +17,14 @@ class GrpcDrafter:
         self.replicas = Replicas(addresses, draft_pb2_grpc.DraftServiceStub, retry_s)
         self._timeout_s = timeout_s
 
-    async def propose(
-        self, session_id: str, sync: SyncPoint, k: int, params: SamplingParams, lookahead: int = 0,
-        min_confidence: float = 0.0,
-    ) -> DraftReply:
-        request = convert.propose_request(session_id, sync, k, params, lookahead, min_confidence)
+    async def propose(self, request: ProposeRequest) -> DraftReply:
+        msg = convert.propose_to_proto(request)
         reply = await self.replicas.call(
-            sync.instance_id, session_id, lambda stub: call(stub.Propose(request, timeout=timeout(self._timeout_s)))
+            request.sync.instance_id, request.session_id,
+            lambda stub: call(stub.Propose(msg, timeout=timeout(self._timeout_s))),
         )
-        return convert.draft_reply(reply)
+        return convert.reply_from_proto(reply)
 
     async def release(self, session_id: str) -> None:
-        await self.replicas.broadcast(lambda stub: stub.Release(session_ref(session_id), timeout=self._timeout_s))
+        ref = session_ref_to_proto(session_id)
+        await self.replicas.broadcast(lambda stub: stub.Release(ref, timeout=self._timeout_s))

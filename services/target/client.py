@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from specd.loop import SyncPoint, VerifyReply
-from specd.sampling import SamplingParams
-from specd.verify import Proposal
-from services.common.client import call, session_ref, timeout
+from specd.contracts import VerifyReply, VerifyRequest
+from services.common.client import call, timeout
+from services.common.convert import session_ref_to_proto
 from services.common.replicas import Replicas
 from services.protogen.specd.v1 import target_pb2_grpc
 from services.target import convert
@@ -18,14 +17,16 @@ class GrpcVerifier:
         self.replicas = Replicas(addresses, target_pb2_grpc.TargetServiceStub, retry_s)
         self._timeout_s = timeout_s
 
-    async def verify(self, session_id: str, sync: SyncPoint, proposal: Proposal, params: SamplingParams) -> VerifyReply:
-        if proposal.tokens:
-            request = convert.verify_request(session_id, sync, proposal, params)
-            rpc = lambda stub: call(stub.Verify(request, timeout=timeout(self._timeout_s)))  # noqa: E731
+    async def verify(self, request: VerifyRequest) -> VerifyReply:
+        """K > 0: the Verify RPC; K = 0: a plain Step."""
+        if request.proposal.tokens:
+            msg = convert.verify_to_proto(request)
+            rpc = lambda stub: call(stub.Verify(msg, timeout=timeout(self._timeout_s)))  # noqa: E731
         else:
-            step = convert.step_request(session_id, sync, params)
+            step = convert.step_to_proto(request)
             rpc = lambda stub: call(stub.Step(step, timeout=timeout(self._timeout_s)))  # noqa: E731
-        return convert.verify_reply(await self.replicas.call(sync.instance_id, session_id, rpc))
+        return convert.reply_from_proto(await self.replicas.call(request.sync.instance_id, request.session_id, rpc))
 
     async def release(self, session_id: str) -> None:
-        await self.replicas.broadcast(lambda stub: stub.Release(session_ref(session_id), timeout=self._timeout_s))
+        ref = session_ref_to_proto(session_id)
+        await self.replicas.broadcast(lambda stub: stub.Release(ref, timeout=self._timeout_s))

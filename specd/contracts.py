@@ -1,0 +1,167 @@
+"""The contract between the coordinator and the model services, as every layer sees it.
+
+One request and one reply per RPC: `ProposeRequest` -> `DraftReply` (the draft service) and
+`VerifyRequest` -> `VerifyReply` (the target service; K = 0 is a plain step), and the values
+they carry: `SyncPoint`, `SamplingParams`, a `Proposal` (its q rows as `SparseDist`), a
+`Verdict`. A service that lost the session answers `StaleSession`. The loop builds the
+requests, the gRPC converters and Ray handles carry them, the role engines
+(specd/draft_engine.py, specd/target_engine.py) answer them.
+
+Frozen dataclasses, and no torch: the coordinator imports this module, never a model.
+Requests are checked at the edge that receives them (`validate()`); the messages say what to
+change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from specd.policy import PolicyConfig
+from specd.validation import validate_that
+
+MAX_SESSION_ID = 128  # characters
+MAX_K = 32  # draft tokens per round a model service accepts
+MAX_TOP_K = 1 << 20
+GREEDY_BELOW = 1e-5  # a temperature below this decodes greedily, as in vLLM: logits / 1e-300 overflow
+
+
+@dataclass(frozen=True)
+class SyncPoint:
+    """The committed sequence is (what the service holds)[:start_pos] + tokens."""
+
+    start_pos: int
+    tokens: tuple[int, ...]
+    instance_id: str = ""  # the engine instance believed to hold the prefix; "" when start_pos = 0
+
+    @property
+    def end(self) -> int:
+        """n, the committed length: the service's session length once synced."""
+        return self.start_pos + len(self.tokens)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 (or anything below GREEDY_BELOW) means greedy
+    top_k: int = 0  # 0 disables top-k
+    top_p: float = 1.0  # 1 disables nucleus filtering
+    seed: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_BELOW
+
+    def validate(self) -> "SamplingParams":
+        validate_that(0.0 <= self.temperature <= 100.0, "temperature must be in [0, 100] (0 = greedy)")
+        validate_that(0 <= self.top_k <= MAX_TOP_K, f"top_k must be in [0, {MAX_TOP_K}] (0 = off)")
+        validate_that(0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]")
+        validate_that(0 <= self.seed < 2**63, "seed must be in [0, 2^63)")
+        return self
+
+
+@dataclass(frozen=True)
+class SparseDist:
+    """One draft row q [vocab] as its top mass (specd/sparse.py encodes and decodes it)."""
+
+    token_ids: bytes  # int32 little-endian, [n]
+    probs: bytes  # float16 little-endian, [n], unnormalised
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.token_ids) + len(self.probs)
+
+
+@dataclass(frozen=True)
+class Proposal:
+    tokens: tuple[int, ...]  # [K] drafted tokens
+    q: tuple[SparseDist, ...]  # [K] rows the drafts were sampled from; empty when greedy
+    sibling: int | None = None  # greedy: the draft's second choice for the first position
+
+
+@dataclass(frozen=True)
+class Verdict:
+    num_accepted: int  # accepted draft tokens, 0..K
+    next_token: int  # recovered token (num_accepted < K) or bonus token (num_accepted == K)
+    after_sibling: int | None = None  # the recovered token was the scored sibling: the target's token after it
+
+    def committed(self, draft_tokens: Sequence[int]) -> tuple[int, ...]:
+        """The tokens the round commits: the accepted drafts, then the recovered/bonus token (and
+        the token after a recovered sibling)."""
+        tail = (self.next_token,) if self.after_sibling is None else (self.next_token, self.after_sibling)
+        return tuple(draft_tokens[: self.num_accepted]) + tail
+
+
+@dataclass(frozen=True)
+class ProposeRequest:
+    """Draft k tokens after the committed ones (fewer with a confidence stop: after a draft the
+    draft gave probability < min_confidence); then, when lookahead > 0, go on drafting that many
+    past them while the target verifies (pipelining: the next call takes those still on the
+    committed path)."""
+
+    session_id: str
+    sync: SyncPoint
+    k: int
+    params: SamplingParams
+    lookahead: int = 0
+    min_confidence: float = 0.0
+
+    def validate(self) -> "ProposeRequest":
+        validate_session_id(self.session_id)
+        validate_that(1 <= self.k <= MAX_K, f"k must be in [1, {MAX_K}]")
+        validate_that(
+            0 <= self.lookahead <= self.k + 1,
+            f"lookahead must be in [0, k + 1], got {self.lookahead} with k = {self.k}",
+        )
+        PolicyConfig(min_confidence=self.min_confidence).validate()  # in [0, 1), not NaN
+        self.params.validate()
+        return self
+
+
+@dataclass(frozen=True)
+class DraftReply:
+    proposal: Proposal
+    position: int  # n, the committed length the draft synced to before drafting
+    instance_id: str = ""
+    compute_s: float = 0.0  # the drafting steps this proposal took part in
+    reused: int = 0  # leading drafts made ahead during the previous round (not in compute_s)
+    queued_s: float = 0.0  # waited for the model (other calls' passes and steps): load, not the network
+
+
+@dataclass(frozen=True)
+class VerifyRequest:
+    """Score the proposal's K drafts after the committed tokens in one target pass and decide;
+    K = 0 is one plain decoding step (the bonus token is drawn from p)."""
+
+    session_id: str
+    sync: SyncPoint
+    proposal: Proposal
+    params: SamplingParams
+
+    def validate(self) -> "VerifyRequest":
+        validate_session_id(self.session_id)
+        validate_that(len(self.proposal.tokens) <= MAX_K, f"at most {MAX_K} draft tokens per round")
+        self.params.validate()
+        return self
+
+
+@dataclass(frozen=True)
+class VerifyReply:
+    verdict: Verdict
+    position: int  # the target's committed length after this round
+    instance_id: str = ""
+    compute_s: float = 0.0  # the pass's model time
+    queued_s: float = 0.0  # waited for the model before the pass began: load, not the network
+    batch_size: int = 1  # sessions whose verifications shared the pass that compute_s timed
+
+
+class StaleSession(Exception):
+    """The service no longer holds the prefix we assumed (restart, eviction, other replica)."""
+
+    def __init__(self, position: int):
+        super().__init__(f"service holds {position} tokens of this session")
+        self.position = position
+
+
+def validate_session_id(session_id: str) -> str:
+    validate_that(0 < len(session_id) <= MAX_SESSION_ID, f"session_id must be 1..{MAX_SESSION_ID} characters")
+    return session_id
