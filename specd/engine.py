@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, GenerationConfig
 
-from specd import fused, kernels, ragged
+from specd import fused, kernels, numerics, qwen2, ragged
 
 DTYPES = {
     "float32": torch.float32,
@@ -46,7 +46,7 @@ class EngineConfig:
     idle_evict_s: float = 5.0  # a session idle this long may be evicted (LRU) to make room
     max_context: int | None = None  # default: the model's max_position_embeddings
     small_row_matmul: bool = True  # CPU: fast linears for decoding-sized inputs (packed weights, specd/kernels.py)
-    quantize: str = "none"  # "int8": dynamic int8 linears, CPU, for a draft model only (specd/kernels.py)
+    quantize: str = "none"  # none | int8 (a draft's) | q4 | auto: the weights it runs (specd/numerics.py)
     fused_int8: bool = True  # int8: fused projections without module calls, same logits (specd/fused.py)
 
 
@@ -96,26 +96,39 @@ class ModelEngine:
         if config.threads is not None:
             torch.set_num_threads(config.threads)
         self.config = config
-        if config.quantize not in ("none", "int8"):
-            raise ValueError(f"quantize must be 'none' or 'int8', got {config.quantize!r}")
-        model = AutoModelForCausalLM.from_pretrained(config.model_dir, dtype=DTYPES[config.dtype])
-        model = model.to(config.device).eval()
         on_cpu = torch.device(config.device).type == "cpu"
-        if config.quantize == "int8":
-            if not on_cpu:
-                raise ValueError("quantize='int8' is a CPU option")
-            model = kernels.quantize_int8(model)
-        self._pads_rows = config.small_row_matmul and on_cpu and kernels.use_small_row_matmul(model) > 0
-        self.model = model
-        # the int8 draft's passes skip the module calls (specd/fused.py); same logits, a step ~25 % shorter
-        self._fused = fused.FusedDraft(model) if config.fused_int8 and fused.supports(model) else None
-        self.vocab_size: int = model.config.vocab_size
-        self.eos_token_ids: frozenset[int] = frozenset(_eos_ids(model))
-        self.max_context: int = config.max_context or model.config.max_position_embeddings
+        hf_config = AutoConfig.from_pretrained(config.model_dir)
+        if config.quantize not in ("none", "auto") and not on_cpu:
+            raise ValueError(f"quantize={config.quantize!r} is a CPU option")
+        # auto off the CPU: the dense weights (the kernels chosen from are CPU kernels)
+        requested = config.quantize if on_cpu else "none"
+        self.numerics = numerics.choose((hf_config.intermediate_size, hf_config.hidden_size), requested)
+        self.model, self._q4, self._fused, self._pads_rows = None, None, None, False
+        if self.numerics.mode == "q4":
+            self._q4 = qwen2.Q4Qwen2(config.model_dir)
+            generation = GenerationConfig.from_pretrained(config.model_dir)
+        else:
+            self.model = self._dense(config, on_cpu)
+            hf_config, generation = self.model.config, self.model.generation_config
+        self.hf_config = hf_config
+        self.vocab_size: int = hf_config.vocab_size
+        self.eos_token_ids: frozenset[int] = frozenset(_eos_ids(generation, hf_config))
+        self.max_context: int = config.max_context or hf_config.max_position_embeddings
         self.instance_id = uuid.uuid4().hex  # lets clients notice a restarted engine (all caches lost)
         self._thread = threading.get_ident()  # the one thread that runs the model
         self.evictions = 0
         self._sessions: OrderedDict[str, _Session] = OrderedDict()  # least recently used first
+
+    def _dense(self, config: EngineConfig, on_cpu: bool):
+        """The stock modules: in `dtype`, or dynamically int8 (a draft's option), fast small-row linears."""
+        model = AutoModelForCausalLM.from_pretrained(config.model_dir, dtype=DTYPES[config.dtype])
+        model = model.to(config.device).eval()
+        if self.numerics.mode == "int8":
+            model = kernels.quantize_int8(model)
+        self._pads_rows = config.small_row_matmul and on_cpu and kernels.use_small_row_matmul(model) > 0
+        # the int8 draft's passes skip the module calls (specd/fused.py); same logits, a step ~25 % shorter
+        self._fused = fused.FusedDraft(model) if config.fused_int8 and fused.supports(model) else None
+        return model
 
     # -- queries ------------------------------------------------------------------------------
 
@@ -176,6 +189,8 @@ class ModelEngine:
         after tokens[:n + i], where n is the session length before the call.
         """
         session, new = self._prepare(session_id, extra)
+        if self._q4 is not None:
+            return self._forward_q4(session, new, extra)
         input_ids = torch.tensor([new], dtype=torch.long, device=self.config.device)  # [1, len(new)]
         try:
             out = self.model(
@@ -239,7 +254,7 @@ class ModelEngine:
         path runs blocks of rows (`kernels.free_rows`), so rows up to the block are paid for anyway.
         0 off that path (GPU, the fused draft), past its row limit, or with sliding-window layers
         (a branch row attends to its whole prefix)."""
-        if not self._pads_rows or self.model.model.has_sliding_layers:
+        if not self._pads_rows or self.model is None or self.model.model.has_sliding_layers:
             return 0
         fed = sum(self._rows_to_feed(session_id, extra) for session_id, extra in requests)
         return min(kernels.free_rows(fed), kernels.SMALL_ROWS - fed) if fed <= kernels.SMALL_ROWS else 0
@@ -266,7 +281,18 @@ class ModelEngine:
 
     # -- helpers ------------------------------------------------------------------------------
 
+    def _forward_q4(self, session: _Session, new: list[int], extra: Sequence[int]) -> torch.Tensor:
+        try:
+            logits = self._q4.forward([session.cache], [new], [len(extra) + 1])[0]
+        except BaseException:
+            self._reset_caches([session])
+            raise
+        session.tokens.extend(extra)
+        return logits
+
     def _ragged_forward(self, caches, inputs, keep, branches) -> list[torch.Tensor]:
+        if self._q4 is not None:
+            return self._q4.forward(caches, inputs, keep, branches)
         if self._fused is not None and not any(branches):
             return self._fused.forward(caches, inputs, keep)
         return ragged.forward(self.model, caches, inputs, keep, branches)
@@ -281,7 +307,7 @@ class ModelEngine:
         session = self._sessions.get(session_id)
         if session is None and create:
             self._make_room()
-            session = self._sessions[session_id] = _Session(cache=DynamicCache(config=self.model.config))
+            session = self._sessions[session_id] = _Session(cache=DynamicCache(config=self.hf_config))
         self._sessions.move_to_end(session_id)
         session.last_used = time.monotonic()
         return session
@@ -302,7 +328,7 @@ class ModelEngine:
         # An interrupted call may have extended some layers' caches but not others; the
         # tokens are the truth, so start the caches over rather than guess which layers grew.
         for session in sessions:
-            session.cache = DynamicCache(config=self.model.config)
+            session.cache = DynamicCache(config=self.hf_config)
 
     def _make_room(self) -> None:
         if len(self._sessions) < self.config.max_sessions:
@@ -343,10 +369,10 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-def _eos_ids(model) -> set[int]:
+def _eos_ids(generation, config) -> set[int]:
     """EOS ids from the generation config and the model config (either may be an int or a list)."""
     ids: set[int] = set()
-    for eos in (model.generation_config.eos_token_id, model.config.eos_token_id):
+    for eos in (generation.eos_token_id, config.eos_token_id):
         if eos is not None:
             ids.update([eos] if isinstance(eos, int) else eos)
     return ids

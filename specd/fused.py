@@ -129,7 +129,7 @@ class FusedDraft:
         """q/k/v over all rows in one int8 linear, rotary on q and k together, attention per sequence."""
         rows, heads, kv_heads = hidden.shape[0], self.heads, self.kv_heads
         qkv = _int8_linear(hidden, layer.qkv, _REDUCE_RANGE)  # [rows, (heads + 2 kv_heads) * head_dim]
-        qk = _rotate(qkv[:, : (heads + kv_heads) * self.head_dim].view(rows, heads + kv_heads, self.head_dim), *rotation)
+        qk = ragged.rotate(qkv[:, : (heads + kv_heads) * self.head_dim].view(rows, heads + kv_heads, self.head_dim), *rotation)
         query, key = qk[:, :heads].transpose(0, 1), qk[:, heads:].transpose(0, 1)  # [heads | kv_heads, rows, head_dim]
         value = qkv[:, (heads + kv_heads) * self.head_dim :].view(rows, kv_heads, self.head_dim).transpose(0, 1)
         outputs = []
@@ -140,12 +140,6 @@ class FusedDraft:
             outputs.append(out[0])  # [heads, n, head_dim]
         out = torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]  # [heads, rows, head_dim]
         return out.transpose(0, 1).reshape(rows, heads * self.head_dim)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding, as transformers' apply_rotary_pos_emb (rotate_half) computes it."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
 def _causal_mask(past: int, n: int) -> torch.Tensor | None:

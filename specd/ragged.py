@@ -105,6 +105,12 @@ class Branch:
     at: int
 
 
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, as transformers' apply_rotary_pos_emb (rotate_half) computes it."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
 def row_bounds(lengths: Sequence[int]) -> list[tuple[int, int]]:
     """[start, end) of each sequence's rows in the concatenation."""
     ends = torch.tensor(lengths).cumsum(0).tolist()

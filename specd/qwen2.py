@@ -1,0 +1,175 @@
+"""A Qwen2 forward of our own over int4 weights (specd/qkernels.py): batch-invariant by construction.
+
+Every step treats a row on its own: the embedding is a lookup, norms and the MLP are per row, the
+linears are the q4 kernel (a row's result does not depend on the rows beside it), and attention
+runs one query row at a time against exactly the keys a plain step at that position would see.
+So the logits of row i of a K + 1-row verification, or of a row in a pass shared with other
+sessions, are bit for bit those of a one-row step at that position: greedy speculation gives the
+plain decoding's text, and sampled speculation its distribution, in this numerics.
+
+The weights are read tensor by tensor from the model's safetensors and quantised as they come:
+no float32 model is ever built, and nothing of the file stays mapped (weights held once, 5 bits).
+q/k/v and gate/up are each one fused weight (rows are independent, so fusing changes nothing).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from transformers import AutoConfig, DynamicCache
+from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
+
+from specd import qkernels, ragged
+from specd.qkernels import Q4Weight
+
+
+@dataclass(frozen=True)
+class _Layer:
+    input_norm: torch.Tensor  # [hidden]
+    qkv: Q4Weight  # [(heads + 2 kv_heads) * head_dim, hidden], with q/k/v biases
+    o: Q4Weight  # [hidden, heads * head_dim]
+    post_norm: torch.Tensor  # [hidden]
+    gate_up: Q4Weight  # [2 * intermediate, hidden]
+    down: Q4Weight  # [hidden, intermediate]
+
+
+class Q4Qwen2:
+    """`ragged.forward` for a Qwen2 checkpoint with int4 linears and per-row attention."""
+
+    def __init__(self, model_dir: Path | str):
+        config = AutoConfig.from_pretrained(model_dir)
+        if config.model_type != "qwen2":
+            raise ValueError(f"the q4 engine runs Qwen2 checkpoints, not {config.model_type!r}")
+        if getattr(config, "use_sliding_window", False) and config.sliding_window:
+            raise ValueError("the q4 engine does not run sliding-window attention")
+        self.config = config
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.scaling = self.head_dim**-0.5
+        self.intermediate = config.intermediate_size
+        self.eps = config.rms_norm_eps
+        self.rotary = Qwen2RotaryEmbedding(config)
+        with _Tensors(Path(model_dir)) as tensors:
+            self.embed = qkernels.quantize(tensors.take("model.embed_tokens.weight"))  # rows dequantised on lookup
+            head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+            self.lm_head = self.embed if config.tie_word_embeddings else qkernels.quantize(tensors.take(head))
+            self.norm = tensors.take("model.norm.weight")
+            self.layers = [self._layer(tensors, f"model.layers.{i}.") for i in range(config.num_hidden_layers)]
+
+    def _layer(self, tensors: "_Tensors", prefix: str) -> _Layer:
+        attn, mlp = prefix + "self_attn.", prefix + "mlp."
+        qkv = [tensors.take(f"{attn}{p}_proj.weight") for p in "qkv"]
+        biases = [tensors.take(f"{attn}{p}_proj.bias", optional=True) for p in "qkv"]
+        bias = torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for b, w in zip(biases, qkv)])
+        return _Layer(
+            input_norm=tensors.take(prefix + "input_layernorm.weight"),
+            qkv=qkernels.quantize(torch.cat(qkv), bias),
+            o=qkernels.quantize(tensors.take(attn + "o_proj.weight")),
+            post_norm=tensors.take(prefix + "post_attention_layernorm.weight"),
+            gate_up=qkernels.quantize(torch.cat([tensors.take(mlp + "gate_proj.weight"), tensors.take(mlp + "up_proj.weight")])),
+            down=qkernels.quantize(tensors.take(mlp + "down_proj.weight")),
+        )
+
+    @property
+    def nbytes(self) -> int:
+        weights = [self.embed, self.lm_head] + [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        unique = {id(w): w for w in weights}.values()
+        norms = [self.norm] + [n for layer in self.layers for n in (layer.input_norm, layer.post_norm)]
+        return sum(w.nbytes for w in unique) + sum(n.numel() * n.element_size() for n in norms)
+
+    def new_cache(self) -> DynamicCache:
+        return DynamicCache(config=self.config)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        caches: Sequence[DynamicCache],
+        inputs: Sequence[Sequence[int]],
+        keep: Sequence[int],
+        branches: Sequence[ragged.Branch | None] = (),
+    ) -> list[torch.Tensor]:
+        """What `ragged.forward` returns (per sequence [keep[i] (+ 1 with a branch), vocab] float32),
+        each row computed as a one-row step at its position would compute it."""
+        branches = list(branches) or [None] * len(inputs)
+        bounds = ragged.row_bounds([len(x) for x in inputs])
+        rows_in = bounds[-1][1]
+        branch_rows = {i: rows_in + n for n, i in enumerate(i for i, b in enumerate(branches) if b)}
+        pasts = [cache.get_seq_length() for cache in caches]
+        tokens = [t for x in inputs for t in x] + [b.token for b in branches if b]
+        positions = [p for past, x in zip(pasts, inputs) for p in range(past, past + len(x))]
+        positions += [past + b.at for past, b in zip(pasts, branches) if b]
+        hidden = qkernels.dequantize(self.embed, torch.tensor(tokens, dtype=torch.long))  # [rows, hidden]
+        cos, sin = self.rotary(hidden[None], torch.tensor(positions)[None])  # each [1, rows, head_dim]
+        rotation = (cos[0, :, None], sin[0, :, None])  # each [rows, 1, head_dim]: broadcast over heads
+        sides = [(branch_rows[i], pasts[i] + b.at) if b else None for i, b in enumerate(branches)]
+        for index, layer in enumerate(self.layers):
+            normed = self._norm(hidden, layer.input_norm)
+            attended = self._attention(layer, index, normed, rotation, caches, pasts, bounds, sides)
+            hidden = hidden + qkernels.linear(attended, layer.o)
+            gate_up = qkernels.linear(self._norm(hidden, layer.post_norm), layer.gate_up)  # [rows, 2 * intermediate]
+            gate, up = gate_up[:, : self.intermediate], gate_up[:, self.intermediate :]
+            hidden = hidden + qkernels.linear(F.silu(gate) * up, layer.down)
+        kept = [list(range(end - k, end)) + ([branch_rows[i]] if i in branch_rows else [])
+                for i, ((_, end), k) in enumerate(zip(bounds, keep))]
+        logits = qkernels.linear(self._norm(hidden[[r for rows in kept for r in rows]], self.norm), self.lm_head)
+        return list(logits.split([len(rows) for rows in kept]))
+
+    def _norm(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(hidden, (hidden.shape[-1],), weight, self.eps)
+
+    def _attention(self, layer, index, hidden, rotation, caches, pasts, bounds, sides) -> torch.Tensor:
+        """q/k/v over all rows in one linear; then each row attends alone to the keys up to its own."""
+        rows, heads, kv_heads, dim = hidden.shape[0], self.heads, self.kv_heads, self.head_dim
+        qkv = qkernels.linear(hidden, layer.qkv)  # [rows, (heads + 2 kv_heads) * head_dim]
+        qk = ragged.rotate(qkv[:, : (heads + kv_heads) * dim].view(rows, heads + kv_heads, dim), *rotation)
+        query, key = qk[:, :heads].transpose(0, 1), qk[:, heads:].transpose(0, 1)  # [heads | kv_heads, rows, dim]
+        value = qkv[:, (heads + kv_heads) * dim :].reshape(rows, kv_heads, dim).transpose(0, 1)
+        out = torch.empty(heads, rows, dim)
+        for cache, past, (start, end), side in zip(caches, pasts, bounds, sides):
+            # keys, values: [1, kv_heads, past + n, head_dim], this sequence's whole past
+            keys, values = cache.update(key[None, :, start:end], value[None, :, start:end], index)
+            for row in range(start, end):
+                seen = past + row - start + 1
+                out[:, row] = self._attend(query[:, row], keys[:, :, :seen], values[:, :, :seen])
+            if side:
+                row, seen = side
+                side_keys = torch.cat([keys[:, :, :seen], key[None, :, row : row + 1]], dim=2)
+                side_values = torch.cat([values[:, :, :seen], value[None, :, row : row + 1]], dim=2)
+                out[:, row] = self._attend(query[:, row], side_keys, side_values)
+        return out.transpose(0, 1).reshape(rows, heads * dim)
+
+    def _attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """One query row (query: [heads, head_dim]) against keys/values [1, kv_heads, seen, head_dim]."""
+        out = F.scaled_dot_product_attention(query[None, :, None], keys, values, scale=self.scaling, enable_gqa=True)
+        return out[0, :, 0]  # [heads, head_dim]
+
+
+class _Tensors:
+    """The checkpoint's tensors, read one at a time and copied out (the files are closed after)."""
+
+    def __init__(self, model_dir: Path):
+        files = sorted(model_dir.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors in {model_dir}")
+        self._handles = [safe_open(str(f), framework="pt") for f in files]
+        self._where = {name: h for h in self._handles for name in h.keys()}
+
+    def __enter__(self) -> "_Tensors":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._handles.clear()
+        self._where.clear()
+
+    def take(self, name: str, optional: bool = False) -> torch.Tensor | None:
+        handle = self._where.get(name)
+        if handle is None:
+            if optional:
+                return None
+            raise KeyError(f"the checkpoint has no tensor {name!r}")
+        return handle.get_tensor(name).float().clone()  # a copy: nothing keeps the file mapped
