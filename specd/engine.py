@@ -111,6 +111,7 @@ class ModelEngine:
             self.model = self._dense(config, on_cpu)
             hf_config, generation = self.model.config, self.model.generation_config
         self.hf_config = hf_config
+        self._new_cache = self._q4.new_cache if self._q4 else lambda: DynamicCache(config=hf_config)
         self.vocab_size: int = hf_config.vocab_size
         self.eos_token_ids: frozenset[int] = frozenset(_eos_ids(generation, hf_config))
         self.max_context: int = config.max_context or hf_config.max_position_embeddings
@@ -307,7 +308,7 @@ class ModelEngine:
         session = self._sessions.get(session_id)
         if session is None and create:
             self._make_room()
-            session = self._sessions[session_id] = _Session(cache=DynamicCache(config=self.hf_config))
+            session = self._sessions[session_id] = _Session(cache=self._new_cache())
         self._sessions.move_to_end(session_id)
         session.last_used = time.monotonic()
         return session
@@ -328,7 +329,7 @@ class ModelEngine:
         # An interrupted call may have extended some layers' caches but not others; the
         # tokens are the truth, so start the caches over rather than guess which layers grew.
         for session in sessions:
-            session.cache = DynamicCache(config=self.hf_config)
+            session.cache = self._new_cache()
 
     def _make_room(self) -> None:
         if len(self._sessions) < self.config.max_sessions:

@@ -21,6 +21,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -76,22 +77,88 @@ def dequantize(weight: Q4Weight, rows: torch.Tensor | None = None) -> torch.Tens
     return (q * d.float()[..., None] + m.float()[..., None]).reshape(len(d), -1)
 
 
-def linear(x: torch.Tensor, weight: Q4Weight, march: str = NATIVE) -> torch.Tensor:
-    """x [..., K] float32 @ W.T (+ bias) -> [..., N] float32; each row computed on its own."""
-    lib = _library(march)
+@dataclass(frozen=True)
+class Q8Rows:
+    """Activation rows quantised on their own to int8 blocks of 32: what a q4 linear multiplies."""
+
+    q: torch.Tensor  # [rows, K] int8
+    d: torch.Tensor  # [rows, K/32] float32 block scales (amax / 127)
+    s: torch.Tensor  # [rows, K/32] float32 block scale times the block's sum of q
+
+    @classmethod
+    def empty(cls, rows: int, features: int) -> "Q8Rows":
+        blocks = features // BLOCK
+        return cls(torch.empty(rows, features, dtype=torch.int8), torch.empty(rows, blocks), torch.empty(rows, blocks))
+
+    def pointers(self) -> tuple[int, int, int]:
+        return self.q.data_ptr(), self.d.data_ptr(), self.s.data_ptr()
+
+
+def quantize_rows(x: torch.Tensor, march: str = NATIVE) -> Q8Rows:
+    """x [rows, K] float32 -> its int8 rows."""
+    x = _rows(x)
+    out = Q8Rows.empty(*x.shape)
+    _library(march).specd_q8_rows(x.data_ptr(), *x.shape, *out.pointers(), torch.get_num_threads())
+    return out
+
+
+def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, march: str = NATIVE) -> Q8Rows:
+    """The int8 rows of Qwen2's RMS norm of x [rows, K] (x * rsqrt(mean(x^2) + eps) * weight)."""
+    x = _rows(x)
+    out = Q8Rows.empty(*x.shape)
+    _library(march).specd_rms_norm_q8(x.data_ptr(), weight.data_ptr(), eps, *x.shape, *out.pointers(),
+                                      torch.get_num_threads())
+    return out
+
+
+def swiglu_rows(gate_up: torch.Tensor, march: str = NATIVE) -> Q8Rows:
+    """The int8 rows of silu(gate) * up, from gate_up [rows, 2 * I] (a fused gate/up projection)."""
+    gate_up = _rows(gate_up)
+    rows, features = gate_up.shape[0], gate_up.shape[1] // 2
+    out = Q8Rows.empty(rows, features)
+    _library(march).specd_swiglu_q8(gate_up.data_ptr(), rows, features, *out.pointers(), torch.get_num_threads())
+    return out
+
+
+def matmul(x: Q8Rows, weight: Q4Weight, march: str = NATIVE) -> torch.Tensor:
+    """x [rows, K] (int8 rows) @ W.T (+ bias) -> [rows, N] float32; each row computed on its own."""
     N, K = weight.shape
-    rows = x.numel() // K
-    x2 = x.reshape(rows, K).float().contiguous()
-    threads = torch.get_num_threads()
-    xq = torch.empty(rows, K, dtype=torch.int8)
-    xd = torch.empty(rows, K // BLOCK)
-    xs = torch.empty(rows, K // BLOCK)
-    lib.specd_q8_rows(x2.data_ptr(), rows, K, xq.data_ptr(), xd.data_ptr(), xs.data_ptr(), threads)
+    rows = x.q.shape[0]
+    if x.q.shape[1] != K:
+        raise ValueError(f"rows of {x.q.shape[1]} values for a weight of {K} inputs")
     y = torch.empty(rows, N)
     bias = weight.bias.data_ptr() if weight.bias is not None else None
-    lib.specd_q4_matmul(xq.data_ptr(), xd.data_ptr(), xs.data_ptr(), rows, K, weight.packed.data_ptr(),
-                        weight.d.data_ptr(), weight.m.data_ptr(), bias, N, y.data_ptr(), threads)
-    return y.reshape(*x.shape[:-1], N)
+    _library(march).specd_q4_matmul(*x.pointers(), rows, K, weight.packed.data_ptr(), weight.d.data_ptr(),
+                                    weight.m.data_ptr(), bias, N, y.data_ptr(), torch.get_num_threads())
+    return y
+
+
+def linear(x: torch.Tensor, weight: Q4Weight, march: str = NATIVE) -> torch.Tensor:
+    """x [..., K] float32 @ W.T (+ bias) -> [..., N] float32; each row computed on its own."""
+    y = matmul(quantize_rows(x.reshape(-1, x.shape[-1]), march), weight, march)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def attend_rows(query: torch.Tensor, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
+                strides: Sequence[int], seen: Sequence[int], kv_heads: int, scale: float,
+                march: str = NATIVE) -> torch.Tensor:
+    """Each query row (query: [rows, heads, dim]) attends alone to the first seen[r] of its keys and
+    values (keys[r], values[r]: [kv_heads, strides[r], dim] float32, contiguous); [rows, heads, dim]."""
+    rows, heads, dim = query.shape
+    if dim % 8 or heads % kv_heads:
+        raise ValueError(f"attention needs a head size divisible by 8 and whole kv groups, got {dim}, {heads}/{kv_heads}")
+    out = torch.empty(rows, heads, dim)
+    pointers = torch.tensor([[k.data_ptr() for k in keys], [v.data_ptr() for v in values], list(strides), list(seen)],
+                            dtype=torch.int64)  # [4, rows]
+    _library(march).specd_attend_rows(query.contiguous().data_ptr(), *(pointers[i].data_ptr() for i in range(4)),
+                                      rows, heads, kv_heads, dim, scale, out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    if x.dim() != 2 or x.shape[1] % (2 * BLOCK):
+        raise ValueError(f"expected [rows, K] with K a multiple of {2 * BLOCK}, got {tuple(x.shape)}")
+    return x.float().contiguous()
 
 
 def available() -> str | None:
@@ -140,7 +207,12 @@ def _library(march: str = NATIVE) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     lib.specd_q8_rows.argtypes = [pointer, size, size, pointer, pointer, pointer, ctypes.c_int]
-    lib.specd_q8_rows.restype = None
+    lib.specd_rms_norm_q8.argtypes = [pointer, pointer, ctypes.c_float, size, size, pointer, pointer, pointer,
+                                      ctypes.c_int]
+    lib.specd_swiglu_q8.argtypes = [pointer, size, size, pointer, pointer, pointer, ctypes.c_int]
+    lib.specd_attend_rows.argtypes = [pointer] * 5 + [size] * 4 + [ctypes.c_float, pointer, ctypes.c_int]
+    for name in ("specd_q8_rows", "specd_rms_norm_q8", "specd_swiglu_q8", "specd_attend_rows"):
+        getattr(lib, name).restype = None
     lib.specd_q4_matmul.argtypes = [pointer, pointer, pointer, size, size, pointer, pointer, pointer, pointer,
                                     size, pointer, ctypes.c_int]
     lib.specd_q4_matmul.restype = None

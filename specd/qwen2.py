@@ -19,9 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from safetensors import safe_open
-from transformers import AutoConfig, DynamicCache
+from transformers import AutoConfig
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
 
 from specd import qkernels, ragged
@@ -82,13 +81,13 @@ class Q4Qwen2:
         norms = [self.norm] + [n for layer in self.layers for n in (layer.input_norm, layer.post_norm)]
         return sum(w.nbytes for w in unique) + sum(n.numel() * n.element_size() for n in norms)
 
-    def new_cache(self) -> DynamicCache:
-        return DynamicCache(config=self.config)
+    def new_cache(self) -> "KVCache":
+        return KVCache(self.config.num_hidden_layers, self.kv_heads, self.head_dim)
 
     @torch.inference_mode()
     def forward(
         self,
-        caches: Sequence[DynamicCache],
+        caches: Sequence["KVCache"],
         inputs: Sequence[Sequence[int]],
         keep: Sequence[int],
         branches: Sequence[ragged.Branch | None] = (),
@@ -108,45 +107,81 @@ class Q4Qwen2:
         rotation = (cos[0, :, None], sin[0, :, None])  # each [rows, 1, head_dim]: broadcast over heads
         sides = [(branch_rows[i], pasts[i] + b.at) if b else None for i, b in enumerate(branches)]
         for index, layer in enumerate(self.layers):
-            normed = self._norm(hidden, layer.input_norm)
-            attended = self._attention(layer, index, normed, rotation, caches, pasts, bounds, sides)
+            qkv = qkernels.matmul(self._norm(hidden, layer.input_norm), layer.qkv)  # [rows, (heads + 2 kv) * dim]
+            attended = self._attention(qkv, index, rotation, caches, pasts, bounds, sides)
             hidden = hidden + qkernels.linear(attended, layer.o)
-            gate_up = qkernels.linear(self._norm(hidden, layer.post_norm), layer.gate_up)  # [rows, 2 * intermediate]
-            gate, up = gate_up[:, : self.intermediate], gate_up[:, self.intermediate :]
-            hidden = hidden + qkernels.linear(F.silu(gate) * up, layer.down)
+            gate_up = qkernels.matmul(self._norm(hidden, layer.post_norm), layer.gate_up)  # [rows, 2 * intermediate]
+            hidden = hidden + qkernels.matmul(qkernels.swiglu_rows(gate_up), layer.down)
         kept = [list(range(end - k, end)) + ([branch_rows[i]] if i in branch_rows else [])
                 for i, ((_, end), k) in enumerate(zip(bounds, keep))]
-        logits = qkernels.linear(self._norm(hidden[[r for rows in kept for r in rows]], self.norm), self.lm_head)
+        for cache, past, x in zip(caches, pasts, inputs):
+            cache.extend(past + len(x))
+        logits = qkernels.matmul(self._norm(hidden[[r for rows in kept for r in rows]], self.norm), self.lm_head)
         return list(logits.split([len(rows) for rows in kept]))
 
-    def _norm(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(hidden, (hidden.shape[-1],), weight, self.eps)
+    def _norm(self, hidden: torch.Tensor, weight: torch.Tensor) -> qkernels.Q8Rows:
+        return qkernels.rms_norm_rows(hidden, weight, self.eps)
 
-    def _attention(self, layer, index, hidden, rotation, caches, pasts, bounds, sides) -> torch.Tensor:
-        """q/k/v over all rows in one linear; then each row attends alone to the keys up to its own."""
-        rows, heads, kv_heads, dim = hidden.shape[0], self.heads, self.kv_heads, self.head_dim
-        qkv = qkernels.linear(hidden, layer.qkv)  # [rows, (heads + 2 kv_heads) * head_dim]
+    def _attention(self, qkv, index, rotation, caches, pasts, bounds, sides) -> torch.Tensor:
+        """Rotary on q and k, the new keys and values into each cache; then each row attends alone to
+        the keys up to its own (a branch row to its prefix and itself). qkv: [rows, (heads + 2 kv) * dim]."""
+        rows, heads, kv_heads, dim = qkv.shape[0], self.heads, self.kv_heads, self.head_dim
         qk = ragged.rotate(qkv[:, : (heads + kv_heads) * dim].view(rows, heads + kv_heads, dim), *rotation)
-        query, key = qk[:, :heads].transpose(0, 1), qk[:, heads:].transpose(0, 1)  # [heads | kv_heads, rows, dim]
-        value = qkv[:, (heads + kv_heads) * dim :].reshape(rows, kv_heads, dim).transpose(0, 1)
-        out = torch.empty(heads, rows, dim)
+        query, key = qk[:, :heads].contiguous(), qk[:, heads:]  # [rows, heads | kv_heads, dim]
+        value = qkv[:, (heads + kv_heads) * dim :].view(rows, kv_heads, dim)
+        keys, values, strides, seen = [None] * rows, [None] * rows, [0] * rows, [0] * rows
+        held = []  # a branch row's keys and values, alive until the kernel has read them
         for cache, past, (start, end), side in zip(caches, pasts, bounds, sides):
-            # keys, values: [1, kv_heads, past + n, head_dim], this sequence's whole past
-            keys, values = cache.update(key[None, :, start:end], value[None, :, start:end], index)
+            layer_keys, layer_values = cache.write(index, past, key[start:end], value[start:end])
             for row in range(start, end):
-                seen = past + row - start + 1
-                out[:, row] = self._attend(query[:, row], keys[:, :, :seen], values[:, :, :seen])
+                keys[row], values[row], strides[row] = layer_keys, layer_values, cache.capacity
+                seen[row] = past + row - start + 1
             if side:
-                row, seen = side
-                side_keys = torch.cat([keys[:, :, :seen], key[None, :, row : row + 1]], dim=2)
-                side_values = torch.cat([values[:, :, :seen], value[None, :, row : row + 1]], dim=2)
-                out[:, row] = self._attend(query[:, row], side_keys, side_values)
-        return out.transpose(0, 1).reshape(rows, heads * dim)
+                row, prefix = side
+                branch_keys = torch.cat([layer_keys[:, :prefix], key[row, :, None]], dim=1)  # [kv_heads, prefix + 1, dim]
+                branch_values = torch.cat([layer_values[:, :prefix], value[row, :, None]], dim=1)
+                held += [branch_keys, branch_values]
+                keys[row], values[row], strides[row], seen[row] = branch_keys, branch_values, prefix + 1, prefix + 1
+        out = qkernels.attend_rows(query, keys, values, strides, seen, kv_heads, self.scaling)  # [rows, heads, dim]
+        return out.reshape(rows, heads * dim)
 
-    def _attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        """One query row (query: [heads, head_dim]) against keys/values [1, kv_heads, seen, head_dim]."""
-        out = F.scaled_dot_product_attention(query[None, :, None], keys, values, scale=self.scaling, enable_gqa=True)
-        return out[0, :, 0]  # [heads, head_dim]
+
+class KVCache:
+    """One sequence's keys and values, per layer [kv_heads, capacity, head_dim] float32, grown by
+    doubling; the first `length` positions are the cache. Rollback is `crop` (bookkeeping only)."""
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, capacity: int = 64):
+        self.capacity, self.length = capacity, 0
+        self.keys = [torch.empty(kv_heads, capacity, head_dim) for _ in range(layers)]
+        self.values = [torch.empty(kv_heads, capacity, head_dim) for _ in range(layers)]
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def crop(self, max_length: int) -> None:
+        """As DynamicCache.crop: keep max_length positions, or drop -max_length when negative."""
+        self.length = max(0, self.length + max_length) if max_length < 0 else min(self.length, max_length)
+
+    def write(self, layer: int, past: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Put one layer's new keys and values ([n, kv_heads, dim]) at positions past..; the layer's
+        whole keys and values. `length` moves when the pass is done (`extend`)."""
+        self._reserve(past + key.shape[0])
+        self.keys[layer][:, past : past + key.shape[0]] = key.transpose(0, 1)
+        self.values[layer][:, past : past + key.shape[0]] = value.transpose(0, 1)
+        return self.keys[layer], self.values[layer]
+
+    def extend(self, length: int) -> None:
+        self.length = length
+
+    def _reserve(self, needed: int) -> None:
+        if needed <= self.capacity:
+            return
+        capacity = max(needed, 2 * self.capacity)
+        for tensors in (self.keys, self.values):
+            for i, old in enumerate(tensors):
+                tensors[i] = torch.empty(old.shape[0], capacity, old.shape[2])
+                tensors[i][:, : self.length] = old[:, : self.length]
+        self.capacity = capacity
 
 
 class _Tensors:

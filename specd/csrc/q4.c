@@ -18,30 +18,96 @@
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define QK 32 /* values per block */
 
-/* x [M, K] float -> xq [M, K] int8, xd [M, K/32] block scales (amax / 127), xs [M, K/32] the
- * scale times the block's sum of q. */
-void specd_q8_rows(const float *x, int64_t M, int64_t K, int8_t *xq, float *xd, float *xs, int threads)
+/* e^x for 8 floats (Cephes' expf: x = n ln2 + r, a degree-6 polynomial in r, times 2^n); within
+ * 2 ulp of expf over [-87, 88], 0 below. Deterministic: the same inputs give the same bits. */
+static inline __m256 exp8(__m256 x)
 {
-    const int64_t B = K / QK;
-#pragma omp parallel for num_threads(threads) schedule(static) if (M * K >= 65536)
-    for (int64_t mb = 0; mb < M * B; mb++) {
-        const float *p = x + mb * QK;
-        float amax = 0.0f;
-        for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(p[i]));
+    const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-87.3365447504f);
+    const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f)));
+    r = _mm256_sub_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(-2.12194440e-4f)));
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(p, r), r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+/* One row's K values (K a multiple of 32) -> int8 blocks: xq, the block scales xd (amax / 127) and
+ * xs (the scale times the block's sum of q). `scale`/`w`, when given, multiply each value first. */
+static void q8_row(const float *x, int64_t K, float scale, const float *w, int8_t *xq, float *xd, float *xs)
+{
+    for (int64_t b = 0; b < K / QK; b++) {
+        float v[QK], amax = 0.0f;
+        for (int i = 0; i < QK; i++) {
+            const int64_t k = b * QK + i;
+            v[i] = w ? x[k] * scale * w[k] : x[k];
+            amax = fmaxf(amax, fabsf(v[i]));
+        }
         const float d = amax / 127.0f;
         const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
         int sum = 0;
         for (int i = 0; i < QK; i++) {
-            const int q = (int)nearbyintf(p[i] * id);
-            xq[mb * QK + i] = (int8_t)q;
+            const int q = (int)nearbyintf(v[i] * id);
+            xq[b * QK + i] = (int8_t)q;
             sum += q;
         }
-        xd[mb] = d;
-        xs[mb] = d * (float)sum;
+        xd[b] = d;
+        xs[b] = d * (float)sum;
+    }
+}
+
+/* x [M, K] float -> xq [M, K] int8, xd [M, K/32] block scales, xs [M, K/32] scale * sum(q). */
+void specd_q8_rows(const float *x, int64_t M, int64_t K, int8_t *xq, float *xd, float *xs, int threads)
+{
+    const int64_t B = K / QK;
+#pragma omp parallel for num_threads(threads) schedule(static) if (M * K >= 65536)
+    for (int64_t m = 0; m < M; m++) q8_row(x + m * K, K, 1.0f, 0, xq + m * K, xd + m * B, xs + m * B);
+}
+
+/* RMS-normalise each row (x * rsqrt(mean(x^2) + eps) * w, as Qwen2's norm), then specd_q8_rows. */
+void specd_rms_norm_q8(const float *x, const float *w, float eps, int64_t M, int64_t K, int8_t *xq, float *xd,
+                       float *xs, int threads)
+{
+    const int64_t B = K / QK;
+#pragma omp parallel for num_threads(threads) schedule(static) if (M * K >= 65536)
+    for (int64_t m = 0; m < M; m++) {
+        const float *row = x + m * K;
+        float squares = 0.0f;
+        for (int64_t k = 0; k < K; k++) squares += row[k] * row[k];
+        const float scale = 1.0f / sqrtf(squares / (float)K + eps);
+        q8_row(row, K, scale, w, xq + m * K, xd + m * B, xs + m * B);
+    }
+}
+
+/* gate_up [M, 2I] -> silu(gate) * up [M, I], then specd_q8_rows (the MLP's down-projection input). */
+void specd_swiglu_q8(const float *gate_up, int64_t M, int64_t I, int8_t *xq, float *xd, float *xs, int threads)
+{
+    const int64_t B = I / QK;
+#pragma omp parallel for num_threads(threads) schedule(static) if (M * I >= 65536)
+    for (int64_t m = 0; m < M; m++) {
+        const float *gate = gate_up + m * 2 * I, *up = gate + I;
+        float h[QK];
+        for (int64_t b = 0; b < B; b++) {
+            for (int i = 0; i < QK; i += 8) {
+                const __m256 g = _mm256_loadu_ps(gate + b * QK + i);
+                const __m256 sig = _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), g)));
+                _mm256_storeu_ps(h + i, _mm256_mul_ps(_mm256_div_ps(g, sig), _mm256_loadu_ps(up + b * QK + i)));
+            }
+            q8_row(h, QK, 1.0f, 0, xq + m * I + b * QK, xd + m * B + b, xs + m * B + b);
+        }
     }
 }
 
@@ -223,4 +289,54 @@ void specd_q4_matmul(const int8_t *xq, const float *xd, const float *xs, int64_t
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t g = 0; g < groups; g++) group(xq, xd, xs, M, K, w, wd, wm, bias, N, g * NC, y);
     for (int64_t n = groups * NC; n < N; n++) single(xq, xd, xs, M, K, w, wd, wm, bias, N, n, y);
+}
+
+/* Attention of R query rows, each on its own: row r's head h attends to the first len[r] keys and
+ * values at kbase[r] / vbase[r] (laid out [kv_heads, stride[r], dim]), with kv head h / (heads /
+ * kv_heads). q and out: [R, heads, dim]. Each (row, head) is computed alone in a fixed order, so a
+ * row's result does not depend on the other rows (threads split the (row, head) pairs). */
+void specd_attend_rows(const float *q, const int64_t *kbase, const int64_t *vbase, const int64_t *stride,
+                       const int64_t *len, int64_t R, int64_t heads, int64_t kv_heads, int64_t dim, float scale,
+                       float *out, int threads)
+{
+    const int64_t group = heads / kv_heads;
+#pragma omp parallel num_threads(threads)
+    {
+        float *p = 0;
+        int64_t capacity = 0;
+#pragma omp for schedule(static)
+        for (int64_t rh = 0; rh < R * heads; rh++) {
+            const int64_t r = rh / heads, h = rh % heads, L = len[r];
+            const float *qh = q + rh * dim;
+            const float *k = (const float *)kbase[r] + (h / group) * stride[r] * dim;
+            const float *v = (const float *)vbase[r] + (h / group) * stride[r] * dim;
+            if (L > capacity) {
+                free(p);
+                capacity = L;
+                p = (float *)malloc(sizeof(float) * capacity);
+            }
+            float top = -INFINITY;
+            for (int64_t j = 0; j < L; j++) {
+                __m256 acc = _mm256_setzero_ps();
+                for (int64_t i = 0; i < dim; i += 8)
+                    acc = _mm256_fmadd_ps(_mm256_loadu_ps(qh + i), _mm256_loadu_ps(k + j * dim + i), acc);
+                p[j] = hsum256(acc) * scale;
+                top = fmaxf(top, p[j]);
+            }
+            float total = 0.0f;
+            int64_t j = 0;
+            for (; j + 8 <= L; j += 8)
+                _mm256_storeu_ps(p + j, exp8(_mm256_sub_ps(_mm256_loadu_ps(p + j), _mm256_set1_ps(top))));
+            for (; j < L; j++) p[j] = expf(p[j] - top);
+            for (j = 0; j < L; j++) total += p[j];
+            float *o = out + rh * dim;
+            for (int64_t i = 0; i < dim; i += 8) {
+                __m256 acc = _mm256_setzero_ps();
+                for (int64_t j = 0; j < L; j++)
+                    acc = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(v + j * dim + i), acc);
+                _mm256_storeu_ps(o + i, _mm256_div_ps(acc, _mm256_set1_ps(total)));
+            }
+        }
+        free(p);
+    }
 }
