@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> None:
     for role, port in METRICS_PORTS.items():
         settings.add(up, f"--{role}-metrics-port", type=int, default=port, help=f"{role} /metrics port (0: off)")
     settings.add(up, "--draft-threads", type=int, help="torch threads of the draft service")
-    settings.add(up, "--draft-quantize", default="int8", help="int8 | none: the draft's weights (never the target's)")
+    _add_quantize(up)
     settings.add(up, "--draft-max-batch", type=int, default=DEFAULT_MAX_BATCH,
                  help="proposals that queued while the draft was busy share its drafting steps, up to this many")
     settings.add(up, "--target-threads", type=int, help="torch threads of the target service")
@@ -62,6 +62,8 @@ def main(argv: list[str] | None = None) -> None:
     settings.add(up, "--pipeline", default="off", help="off | on | auto: draft ahead while the target verifies")
     settings.add(up, "--siblings", choices=("on", "off"), help="greedy: the target scores the draft's runner-up in "
                  "spare rows (default: the coordinator's, on)")
+    settings.add(up, "--audit-rate", help="fraction of finished greedy requests the coordinator decodes again "
+                 "plainly to check they were lossless (0: off; default: the coordinator's, 0.01)")
     settings.add(up, "--inject-rtt-ms", type=float, default=0.0, help="benchmarks: delay every model-service call")
     settings.add(up, "--redis-url", help="session store; default: start a local redis-server")
     settings.add(up, "--http-port", type=int, default=8000, help="REST (OpenAI-compatible) port; -1: no REST")
@@ -94,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
     settings.add(ray, "--redis-url", help="session store; default: start a local redis-server")
     settings.add(ray, "--http-port", type=int, default=8000, help="the ingress's HTTP (OpenAI-compatible) port")
     ray.add_argument("--num-cpus", type=int, help="CPUs for the local Ray (default: all)")
-    ray.add_argument("--draft-quantize", default="int8", help="int8 | none: the draft's weights")
+    _add_quantize(ray)
     settings.add(ray, "--draft-model-dir", type=Path, help="serve this draft instead of the fetched one")
     settings.add(ray, "--target-model-dir", type=Path, help="serve this target instead of the fetched one")
     ray.set_defaults(run=cmd_serve_ray)
@@ -106,8 +108,19 @@ def main(argv: list[str] | None = None) -> None:
     args, passed = parser.parse_known_args(argv)
     if passed and args.command != "bench":
         parser.error(f"unrecognized arguments: {' '.join(passed)}")
+    for role in ("draft", "target") if args.command in ("up", "serve-ray") else ():
+        try:
+            settings.check_quantize(role, getattr(args, f"{role}_quantize"))
+        except ValueError as error:
+            commands.choices[args.command].error(str(error))
     args.passed = passed
     sys.exit(args.run(args))
+
+
+def _add_quantize(command: argparse.ArgumentParser) -> None:
+    for role, default in settings.LAUNCH_QUANTIZE.items():
+        settings.add(command, f"--{role}-quantize", default=default, choices=settings.QUANTIZE_MODES,
+                     help=f"the {role}'s weights (python -m services.{role} --help)")
 
 
 def cmd_fetch(args: argparse.Namespace) -> int:
@@ -155,14 +168,18 @@ def _start_tracing(stack: contextlib.ExitStack) -> None:
     print(f"tracing: Phoenix UI at {phoenix.url} (project {PROJECT})", flush=True)
 
 
-def _run_services(args: argparse.Namespace, paths: dict[str, Path], redis_url: str, cores_lock: Path | None) -> int:
-    addr = {role: f"{args.host}:{getattr(args, role + '_port')}" for role in PORTS}
+def _addresses(args: argparse.Namespace) -> dict[str, str]:
+    return {role: f"{args.host}:{getattr(args, role + '_port')}" for role in PORTS}
+
+
+def _commands(
+    args: argparse.Namespace, paths: dict[str, Path], redis_url: str, cores_lock: Path | None
+) -> dict[str, list[str]]:
+    """Each service's command line (after the Python executable)."""
+    addr = _addresses(args)
     commands = {
-        "draft": [
-            *_model_service("draft", paths["draft"], args.host, args.draft_port, args.draft_threads),
-            *("--quantize", args.draft_quantize, "--max-batch", str(args.draft_max_batch)),
-        ],
-        "target": _model_service("target", paths["target"], args.host, args.target_port, args.target_threads),
+        "draft": [*_model_service(args, "draft", paths["draft"]), "--max-batch", str(args.draft_max_batch)],
+        "target": _model_service(args, "target", paths["target"]),
         "coordinator": [
             *("-m", "services.coordinator", "--model-dir", str(paths["target"])),
             *("--host", args.host, "--port", str(args.coordinator_port), "--default-k", str(args.default_k)),
@@ -184,6 +201,14 @@ def _run_services(args: argparse.Namespace, paths: dict[str, Path], redis_url: s
         commands["coordinator"] += ["--draft-confidence", args.draft_confidence]
     if args.siblings is not None:
         commands["coordinator"] += ["--siblings", args.siblings]
+    if args.audit_rate is not None:
+        commands["coordinator"] += ["--audit-rate", args.audit_rate]
+    return commands
+
+
+def _run_services(args: argparse.Namespace, paths: dict[str, Path], redis_url: str, cores_lock: Path | None) -> int:
+    addr = _addresses(args)
+    commands = _commands(args, paths, redis_url, cores_lock)
     procs = {role: subprocess.Popen([sys.executable, *cmd]) for role, cmd in commands.items()}
     stopping = False
 
@@ -210,8 +235,10 @@ def _run_services(args: argparse.Namespace, paths: dict[str, Path], redis_url: s
         _stop_all(procs.values())
 
 
-def _model_service(role: str, model_dir: Path, host: str, port: int, threads: int | None) -> list[str]:
-    cmd = ["-m", f"services.{role}", "--model-dir", str(model_dir), "--host", host, "--port", str(port)]
+def _model_service(args: argparse.Namespace, role: str, model_dir: Path) -> list[str]:
+    cmd = ["-m", f"services.{role}", "--model-dir", str(model_dir), "--host", args.host]
+    cmd += ["--port", str(getattr(args, f"{role}_port")), "--quantize", getattr(args, f"{role}_quantize")]
+    threads = getattr(args, f"{role}_threads")
     return cmd + (["--threads", str(threads)] if threads else [])
 
 
@@ -251,7 +278,8 @@ def cmd_serve_ray(args: argparse.Namespace) -> int:
         serve.start(http_options={"host": "127.0.0.1", "port": args.http_port})
         stack.callback(serve.shutdown)
         app = build_app({"target_model_dir": str(paths["target"]), "draft_model_dir": str(paths["draft"]),
-                         "redis_url": redis_url, "draft_quantize": args.draft_quantize})
+                         "redis_url": redis_url, "draft_quantize": args.draft_quantize,
+                         "target_quantize": args.target_quantize})
         serve.run(app, name="specd", route_prefix="/")
         print(f"specd (Ray Serve) is up: http://127.0.0.1:{args.http_port}/v1", flush=True)
         stopped = threading.Event()

@@ -11,7 +11,8 @@ Arguments (all strings, as `serve run` passes them): target_model_dir, draft_mod
 redis_url (required); device (cpu), {draft,target,gateway}_cpus (1, 1, 0),
 draft_gpus / target_gpus (0), draft_replicas /
 target_replicas / gateway_replicas (1, or "auto" for autoscaling 1..max_replicas),
-max_replicas (4), draft_quantize (none | int8), dtype (float32), api_keys_file.
+max_replicas (4), draft_quantize / target_quantize (none; see services/common/settings.py), dtype (float32),
+api_keys_file.
 
 Sessions: a request may reach any replica of a model deployment; a replica that does not
 hold the session's cache is sent the committed tokens from Redis (the loop's resync), so
@@ -29,9 +30,10 @@ from fastapi import FastAPI
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from specd.contracts import DraftReply, ProposeRequest, StaleSession, VerifyReply, VerifyRequest
+from specd.contracts import DraftReply, EngineInfo, ProposeRequest, StaleSession, VerifyReply, VerifyRequest
 from specd.engine import EngineConfig, PositionMismatch
 from specd.loop import Services
+from services.common import settings
 from services.common.model_service import ModelServicer
 from services.draft.server import DraftServicer
 from services.target.server import TargetServicer
@@ -62,6 +64,9 @@ class _ModelDeployment:
 
     async def release(self, session_id: str) -> None:
         await self.servicer.worker.run(self.servicer.release_session, session_id)
+
+    def engine_info(self) -> EngineInfo:
+        return self.servicer.engine_info()
 
 
 async def _or_stale(reply: Awaitable[T]) -> T | _Stale:
@@ -122,6 +127,13 @@ class RayVerifier(_Handle):
     async def verify(self, request: VerifyRequest) -> VerifyReply:
         return await self._call(request)
 
+    async def engines(self) -> list[EngineInfo | BaseException]:
+        """What the replica Ray routes this call to runs (the gRPC client asks each replica)."""
+        try:
+            return [await self._handle.engine_info.remote()]
+        except Exception as error:
+            return [error]
+
 
 @serve.deployment(name="gateway")
 @serve.ingress()
@@ -146,7 +158,7 @@ class GatewayDeployment:
 
 REQUIRED_ARGS = ("target_model_dir", "draft_model_dir", "redis_url")
 ARGS = frozenset({
-    *REQUIRED_ARGS, "device", "dtype", "draft_quantize", "api_keys_file", "max_replicas",
+    *REQUIRED_ARGS, "device", "dtype", "draft_quantize", "target_quantize", "api_keys_file", "max_replicas",
     *(f"{role}_{what}" for role in ("draft", "target", "gateway") for what in ("cpus", "gpus", "replicas")),
 })
 
@@ -159,9 +171,11 @@ def build_app(args: dict[str, str]):
         if not args.get(required):
             raise ValueError(f"{required}=... is required")
     device, dtype = args.get("device", "cpu"), args.get("dtype", "float32")
-    draft_config = EngineConfig(Path(args["draft_model_dir"]), device=device, dtype=dtype,
-                                quantize=args.get("draft_quantize", "none"))
-    target_config = EngineConfig(Path(args["target_model_dir"]), device=device, dtype=dtype)
+    draft_config, target_config = (
+        EngineConfig(Path(args[f"{role}_model_dir"]), device=device, dtype=dtype,
+                     quantize=settings.check_quantize(role, args.get(f"{role}_quantize", settings.SERVICE_QUANTIZE)))
+        for role in ("draft", "target")
+    )
     draft = DraftDeployment.options(**_scaling(args, "draft")).bind(draft_config)
     target = TargetDeployment.options(**_scaling(args, "target")).bind(target_config)
     return GatewayDeployment.options(**_scaling(args, "gateway")).bind(draft, target, dict(args))

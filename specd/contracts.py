@@ -3,9 +3,9 @@
 One request and one reply per RPC: `ProposeRequest` -> `DraftReply` (the draft service) and
 `VerifyRequest` -> `VerifyReply` (the target service; K = 0 is a plain step), and the values
 they carry: `SyncPoint`, `SamplingParams`, a `Proposal` (its q rows as `SparseDist`), a
-`Verdict`. A service that lost the session answers `StaleSession`. The loop builds the
-requests, the gRPC converters and Ray handles carry them, the role engines
-(specd/draft_engine.py, specd/target_engine.py) answer them.
+`Verdict`. A service that lost the session answers `StaleSession`; `EngineInfo` is what a
+service runs. The loop builds the requests, the gRPC converters and Ray handles carry them, the
+role engines (specd/draft_engine.py, specd/target_engine.py) answer them.
 
 Frozen dataclasses, and no torch: the coordinator imports this module, never a model.
 Requests are checked at the edge that receives them (`validate()`); the messages say what to
@@ -152,6 +152,17 @@ class VerifyReply:
     compute_s: float = 0.0  # the pass's model time
     queued_s: float = 0.0  # waited for the model before the pass began: load, not the network
     batch_size: int = 1  # sessions whose verifications shared the pass that compute_s timed
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What a model service runs, the same for all its sessions (specd/numerics.py's `Choice`)."""
+
+    instance_id: str
+    numerics: str  # the weights the engine runs: none | int8 | q4
+    quantize: str  # its setting: one of those, or auto
+    invariant: bool  # passed the batch-invariance self-check on its host
+    reason: str  # why this mode
 
 
 class StaleSession(Exception):

@@ -42,10 +42,17 @@ class Cluster:
         dtype: str = "float64",
         limits: Limits = Limits(),
         keys: ApiKeys = ApiKeys.open(),
+        audit_rate: float = 0.0,  # the coordinator's lossless audit (specd/audit.py): off unless a test asks
+        draft_quantize: str = "none",
+        target_quantize: str = "none",
     ):
-        self.redis_url, self.keys = redis_url, keys
-        self.draft = draft_server.DraftServicer.load(EngineConfig(draft_dir, dtype=dtype), "draft")
-        self.target = target_server.TargetServicer.load(EngineConfig(target_dir, dtype=dtype), "target")
+        self.redis_url, self.keys, self.audit_rate = redis_url, keys, audit_rate
+        self.draft = draft_server.DraftServicer.load(
+            EngineConfig(draft_dir, dtype=dtype, quantize=draft_quantize), "draft"
+        )
+        self.target = target_server.TargetServicer.load(
+            EngineConfig(target_dir, dtype=dtype, quantize=target_quantize), "target"
+        )
         self.draft_engine, self.target_engine = self.draft.engine, self.target.engine
         self.model = load_model_info(target_dir)
         self.limits = limits
@@ -68,7 +75,7 @@ class Cluster:
             GrpcVerifier([f"127.0.0.1:{ports['target']}"]),
             RedisSessionStore(self.redis_url),
         )
-        self.frontend = Frontend(self.services, self.model, self.limits)
+        self.frontend = Frontend(self.services, self.model, self.limits, self.audit_rate)
         self.coordinator_servicer = coordinator_server.CoordinatorServicer(self.frontend, self.keys)
         register = coordinator_server.register(self.coordinator_servicer)
         server, ports["coordinator"] = await start_server(register, "127.0.0.1:0")
@@ -89,6 +96,7 @@ class Cluster:
 
     def close(self) -> None:
         async def stop():
+            await self.frontend.auditor.close()
             await self.http.stop()
             for server in self.servers:
                 await server.stop(1.0)

@@ -4,7 +4,8 @@ and without a confidence stop in drafting.
 
 Runs the services' own role engines (`DraftEngine`, `TargetEngine`, one session at a time) on
 two model engines, over many seeds, and compares with the exact distributions computed from the
-target alone with a chi-square test. The negative case swaps the residual for p and must fail.
+target alone with a chi-square test; for each target numerics a deployment may run (dense, q4).
+The negative case swaps the residual for p and must fail.
 """
 
 from __future__ import annotations
@@ -22,10 +23,11 @@ N_SAMPLES = 2500
 K = 3
 
 
-@pytest.fixture(scope="module")
-def engines(tiny_pair):
+@pytest.fixture(scope="module", params=["none", "q4"], ids=lambda quantize: f"{quantize}-target")
+def engines(tiny_pair, request):
+    """The draft, and the target with the numerics it is deployed with (services/common/settings.py)."""
     draft_dir, target_dir = tiny_pair
-    return ModelEngine(EngineConfig(draft_dir)), ModelEngine(EngineConfig(target_dir))
+    return ModelEngine(EngineConfig(draft_dir)), ModelEngine(EngineConfig(target_dir, quantize=request.param))
 
 
 PROMPT = [72, 101, 108, 108, 111]

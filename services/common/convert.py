@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from specd.contracts import SamplingParams, SparseDist, SyncPoint, validate_session_id
+from specd.contracts import EngineInfo, SamplingParams, SparseDist, SyncPoint, validate_session_id
 from services.protogen.specd.v1 import common_pb2
+
+ENGINE_INFO_REQUEST = common_pb2.EngineInfoRequest()  # it has no fields
 
 
 def session_id_from_proto(msg: common_pb2.SessionRef) -> str:
@@ -12,6 +14,15 @@ def session_id_from_proto(msg: common_pb2.SessionRef) -> str:
 
 def session_info_to_proto(position: int, kv_length: int, instance_id: str) -> common_pb2.SessionInfo:
     return common_pb2.SessionInfo(position=position, kv_length=kv_length, instance_id=instance_id)
+
+
+def engine_info_to_proto(info: EngineInfo) -> common_pb2.EngineInfo:
+    return common_pb2.EngineInfo(instance_id=info.instance_id, numerics=info.numerics, quantize=info.quantize,
+                                 invariant=info.invariant, reason=info.reason)
+
+
+def engine_info_from_proto(msg: common_pb2.EngineInfo) -> EngineInfo:
+    return EngineInfo(msg.instance_id, msg.numerics, msg.quantize, msg.invariant, msg.reason)
 
 
 def session_ref_to_proto(session_id: str) -> common_pb2.SessionRef:

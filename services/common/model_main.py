@@ -17,6 +17,13 @@ from services.common.telemetry import setup_tracing
 from services.common.worker import DEFAULT_MAX_BATCH, Batching, SharedCores
 
 log = logging.getLogger(__name__)
+QUANTIZE_HELP = {
+    "target": "the weights it runs (specd/numerics.py): none (the checkpoint's), q4 (int4 weights, batch-invariant: "
+              "a verification equals plain steps bit for bit; CPU), auto (the fastest batch-invariant one here); "
+              "int8 is refused (a draft's)",
+    "draft": "the weights it runs (specd/numerics.py): none (the checkpoint's), int8 (dynamic int8; CPU), q4 (int4 "
+             "weights; CPU), auto (the fastest batch-invariant one here); a draft's numerics change acceptance only",
+}
 
 
 def parse(role: str, default_port: int, argv: list[str] | None) -> argparse.Namespace:
@@ -28,7 +35,8 @@ def parse(role: str, default_port: int, argv: list[str] | None) -> argparse.Name
     settings.add(parser, "--dtype", default="float32", help="float32 | float64 | bfloat16 | float16")
     settings.add(parser, "--threads", type=int, help="torch threads (services on one host share cores)")
     settings.add(parser, "--max-sessions", type=int, default=64, help="KV caches kept; idle ones are evicted LRU")
-    settings.add(parser, "--quantize", default="none", help="none | int8 (CPU; for a draft only: it changes numerics)")
+    settings.add(parser, "--quantize", default=settings.SERVICE_QUANTIZE, choices=settings.QUANTIZE_MODES,
+                 help=QUANTIZE_HELP[role])
     settings.add(parser, "--metrics-port", type=int, default=0, help="serve Prometheus /metrics on this port (0: off)")
     settings.add(parser, "--cores-lock", type=Path,
                  help="a file every service on this host opens: they take turns at the cores (unset: no turns)")
@@ -43,6 +51,7 @@ def parse(role: str, default_port: int, argv: list[str] | None) -> argparse.Name
         parser.error("--model-dir (or SPECD_MODEL_DIR) is required")
     try:
         Batching(args.max_batch, args.batch_wait).validate()
+        settings.check_quantize(role, args.quantize)  # the environment's value too, which argparse does not check
     except ValueError as error:
         parser.error(str(error))
     return args
@@ -76,7 +85,9 @@ def main(
 
     async def serve() -> None:
         server, port = await start_server(register(servicer), f"{args.host}:{args.port}")
-        log.info("%s serving %s on %s:%d", role, args.model_dir, args.host, port)
+        info = servicer.engine_info()
+        log.info("%s serving %s on %s:%d, numerics %s (quantize %s, batch-invariant here: %s): %s", role,
+                 args.model_dir, args.host, port, info.numerics, info.quantize, info.invariant, info.reason)
         if args.metrics_port:
             serve_metrics(servicer.metrics.registry, args.metrics_port, args.host)
             log.info("%s metrics on http://%s:%d/metrics", role, args.host, args.metrics_port)

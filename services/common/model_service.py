@@ -1,6 +1,7 @@
 """What the draft and target servicers share: a role engine (specd/role_engine.py) behind one
 worker thread, to which the calls that queue while it is busy go as one batch (each with its own
-span, error and answer), and the session RPCs (GetSession, Release)."""
+span, error and answer), the session RPCs (GetSession, Release), and what the engine runs
+(GetEngineInfo, and the metric specd:engine_numerics_info)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Span, Status, StatusCode
 
-from specd.contracts import DraftReply, ProposeRequest, VerifyReply, VerifyRequest
+from specd.contracts import DraftReply, EngineInfo, ProposeRequest, VerifyReply, VerifyRequest
 from specd.engine import EngineConfig, ModelEngine
 from specd.role_engine import RoleEngine
 from services.common import convert
@@ -43,6 +44,7 @@ class ModelServicer(Generic[Request, Reply]):
         self.engine = role_engine.engine
         self.worker = worker
         self.metrics = ModelMetrics()
+        self.metrics.engine_loaded(self.engine_info())
         self.batcher = Batcher(worker, self._run_batch, key=lambda queued: queued.request.session_id, batching=batching)
 
     @classmethod
@@ -117,6 +119,16 @@ class ModelServicer(Generic[Request, Reply]):
         return convert.session_info_to_proto(
             self.engine.position(session_id), self.engine.kv_length(session_id), self.engine.instance_id
         )
+
+    def engine_info(self) -> EngineInfo:
+        """What this service runs. Fixed when the engine is built: any thread may read it."""
+        choice = self.engine.numerics
+        return EngineInfo(self.engine.instance_id, choice.mode, self.engine.config.quantize, choice.invariant,
+                          choice.reason)
+
+    @grpc_errors
+    async def GetEngineInfo(self, request: common_pb2.EngineInfoRequest, context: grpc.aio.ServicerContext):
+        return convert.engine_info_to_proto(self.engine_info())
 
     @grpc_errors
     async def GetSession(self, request: common_pb2.SessionRef, context: grpc.aio.ServicerContext):

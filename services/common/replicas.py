@@ -82,9 +82,10 @@ class Replicas(Generic[S]):
         now = time.monotonic()
         return sorted(rotated, key=lambda r: (r.down_until > now, not instance_id or r.instance_id != instance_id))
 
-    async def broadcast(self, rpc: Callable[[S], Awaitable[object]]) -> None:
-        """Best effort on every replica (releasing a session: any of them may hold a copy)."""
-        await asyncio.gather(*(rpc(r.stub) for r in self._replicas), return_exceptions=True)
+    async def broadcast(self, rpc: Callable[[S], Awaitable[R]]) -> list[R | BaseException]:
+        """Best effort on every replica (releasing a session: any of them may hold a copy): each
+        one's reply or error, in the order of the addresses."""
+        return await asyncio.gather(*(rpc(r.stub) for r in self._replicas), return_exceptions=True)
 
     async def close(self) -> None:
         await asyncio.gather(*(r.channel.close() for r in self._replicas))

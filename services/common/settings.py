@@ -20,3 +20,23 @@ def add(parser: argparse.ArgumentParser, flag: str, *, type=str, default=None, h
     parser.add_argument(
         flag, type=type, default=value, choices=choices, help=f"{help} [env {env_name(flag)}; default {default}]"
     )
+
+
+# The weights a model service runs (specd/numerics.py's MODES; this module imports no torch):
+# every default in one place.
+QUANTIZE_MODES = ("none", "int8", "q4", "auto")
+SERVICE_QUANTIZE = "none"  # `python -m services.draft|target` and Ray's build_app: the checkpoint's weights
+LAUNCH_QUANTIZE = {"draft": "int8", "target": "none"}  # what `specd up` and `specd serve-ray` start each with
+
+
+def check_quantize(role: str, mode: str) -> str:
+    """The mode, if `role` ("draft" or "target") may run it; else ValueError saying what to change."""
+    if mode not in QUANTIZE_MODES:
+        raise ValueError(f"{role} quantize must be one of {', '.join(QUANTIZE_MODES)}; got {mode!r}")
+    if role == "target" and mode == "int8":
+        raise ValueError(
+            "quantize int8 is a draft-only setting: its activation scales span a whole pass, so a target's "
+            "verification rows would depend on the rows beside them and greedy output would no longer be "
+            "the target's own; start the target with none, q4 or auto"
+        )
+    return mode

@@ -7,7 +7,7 @@ import asyncio
 import logging
 from pathlib import Path
 
-from specd import kernels
+from specd import audit, kernels
 from specd.loop import Services
 from specd.policy import PIPELINE_MODES, PolicyConfig
 from services.common import settings
@@ -57,6 +57,13 @@ def confidence(value: str) -> float:
     return threshold
 
 
+def audit_rate(value: str) -> float:
+    try:
+        return audit.validate_rate(float(value))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"audit rate must be a fraction in [0, 1] (0: off), got {value!r}")
+
+
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m services.coordinator", description="specd coordinator")
     settings.add(parser, "--model-dir", type=Path, help="the target's model directory (tokenizer, limits)")
@@ -81,6 +88,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     settings.add(parser, "--calibrate", default="on", choices=("on", "off"),
                  help="a deployment with no learnt policy yet times one round per row block at start, so its first "
                       "sessions need not explore K; health answers SERVING after it (off: they explore)")
+    settings.add(parser, "--audit-rate", type=audit_rate, default=audit.DEFAULT_RATE,
+                 help="this fraction of finished greedy requests is decoded again plainly on the target in the "
+                      "background, one at a time, and any difference from the committed tokens is counted and "
+                      "logged (0: off)")
     settings.add(parser, "--inject-rtt-ms", type=float, default=0.0,
                  help="benchmarks: add this round-trip delay to every model-service call")
     settings.add(parser, "--http-port", type=int, default=DEFAULT_HTTP_PORT, help="REST (OpenAI) port; -1: no REST")
@@ -113,7 +124,7 @@ async def serve(args: argparse.Namespace) -> None:
         rtt_s = args.inject_rtt_ms / 1e3
         drafter, verifier = NetworkDelay(drafter, rtt_s), NetworkDelay(verifier, rtt_s)
     services = Services(drafter, verifier, RedisSessionStore(args.redis_url, ttl_s=args.session_ttl_s))
-    frontend = Frontend(services, model, limits)
+    frontend = Frontend(services, model, limits, args.audit_rate)
     if args.metrics_port:
         serve_metrics(frontend.metrics.registry, args.metrics_port, args.host)
         log.info("coordinator metrics on http://%s:%d/metrics", args.host, args.metrics_port)
@@ -136,6 +147,7 @@ async def serve(args: argparse.Namespace) -> None:
     finally:
         if calibrating:
             calibrating.cancel()
+        await frontend.auditor.close()
         if http:
             await http.stop()
         await asyncio.gather(

@@ -15,6 +15,7 @@ from typing import AsyncIterator
 from opentelemetry import trace
 
 from specd import calibration
+from specd.audit import Auditor
 from specd.loop import Chunk, Finished, GenerationRequest, Services, generate
 from specd.policy import PolicyState
 from specd.session import SessionNotFound, SessionState
@@ -26,9 +27,10 @@ tracer = trace.get_tracer(__name__)
 
 
 class Frontend:
-    def __init__(self, services: Services, model: ModelInfo, limits: Limits):
+    def __init__(self, services: Services, model: ModelInfo, limits: Limits, audit_rate: float = 0.0):
         self.services, self.model, self.limits = services, model, limits
         self.metrics = CoordinatorMetrics()  # every edge's requests; served by the process (/metrics)
+        self.auditor = Auditor(services, audit_rate, on_outcome=self.metrics.audited)  # specd/audit.py
 
     async def generate(
         self, request: GenerationRequest, session_id: str = "", owner: str = ""
@@ -46,6 +48,7 @@ class Frontend:
                     if isinstance(event, Finished):
                         tracked.finished(event)
                         span.set_attributes(_outcome(event))
+                        self.auditor.offer(named, request, event)  # in the background: the client never waits
                     else:
                         tracked.chunk(event.token_ids)
                     yield event

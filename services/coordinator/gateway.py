@@ -1,6 +1,6 @@
 """The REST gateway: OpenAI-compatible completions and chat (streaming as server-sent events),
-models, specd's sessions, health. Served by uvicorn inside the coordinator process, next to
-the gRPC API, over the same Frontend.
+models (with what each target replica runs), specd's sessions, health. Served by uvicorn inside
+the coordinator process, next to the gRPC API, over the same Frontend.
 
 Every error is an OpenAI-style body with a 4xx for what the client can fix: bad JSON or
 fields 400, no key 401, someone else's session 404, too large a body 413, a model service
@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from specd.contracts import EngineInfo
 from specd.loop import Chunk, Finished
 from specd.session import Fenced, SessionNotFound
 from specd.validation import InvalidParams
@@ -82,6 +83,7 @@ def create_app(frontend: Frontend, keys: ApiKeys, model_name: str, max_body_byte
     @app.get("/v1/models", tags=["openai"])
     async def models(who: str = Depends(owner)) -> dict:
         card = {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "specd"}
+        card["specd"] = {"target": [_engine_json(e) for e in await frontend.services.verifier.engines()]}
         return {"object": "list", "data": [card]}
 
     @app.post("/v1/completions", tags=["openai"])
@@ -120,6 +122,14 @@ def create_app(frontend: Frontend, keys: ApiKeys, model_name: str, max_body_byte
     app.openapi = lambda: _openapi(app, model_name)
     instrument_app(app)  # a server span per request when tracing is on: the root of the request's trace
     return app
+
+
+def _engine_json(engine: EngineInfo | BaseException) -> dict:
+    """What a target replica runs, or why it did not answer (its gRPC code: not its address)."""
+    if isinstance(engine, BaseException):
+        return {"error": engine.code().name if isinstance(engine, grpc.aio.AioRpcError) else type(engine).__name__}
+    return {"numerics": engine.numerics, "quantize": engine.quantize, "invariant": engine.invariant,
+            "reason": engine.reason}
 
 
 def _openapi(app: FastAPI, model_name: str) -> dict:

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from specd.contracts import VerifyReply, VerifyRequest
+from specd.contracts import EngineInfo, VerifyReply, VerifyRequest
 from services.common.client import call, timeout
-from services.common.convert import session_ref_to_proto
+from services.common.convert import ENGINE_INFO_REQUEST, engine_info_from_proto, session_ref_to_proto
 from services.common.replicas import Replicas
 from services.protogen.specd.v1 import target_pb2_grpc
 from services.target import convert
+
+ENGINE_INFO_TIMEOUT_S = 5.0  # answered off the model's thread: a busy target still answers at once
 
 
 class GrpcVerifier:
@@ -30,3 +32,10 @@ class GrpcVerifier:
     async def release(self, session_id: str) -> None:
         ref = session_ref_to_proto(session_id)
         await self.replicas.broadcast(lambda stub: stub.Release(ref, timeout=self._timeout_s))
+
+    async def engines(self) -> list[EngineInfo | BaseException]:
+        """What each replica runs (the gateway's /v1/models), asked now: or why it did not answer."""
+        replies = await self.replicas.broadcast(
+            lambda stub: stub.GetEngineInfo(ENGINE_INFO_REQUEST, timeout=ENGINE_INFO_TIMEOUT_S)
+        )
+        return [reply if isinstance(reply, BaseException) else engine_info_from_proto(reply) for reply in replies]

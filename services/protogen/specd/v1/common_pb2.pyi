@@ -51,3 +51,21 @@ class SessionInfo(_message.Message):
     kv_length: int
     instance_id: str
     def __init__(self, position: _Optional[int] = ..., kv_length: _Optional[int] = ..., instance_id: _Optional[str] = ...) -> None: ...
+
+class EngineInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class EngineInfo(_message.Message):
+    __slots__ = ("instance_id", "numerics", "quantize", "invariant", "reason")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    NUMERICS_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZE_FIELD_NUMBER: _ClassVar[int]
+    INVARIANT_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    numerics: str
+    quantize: str
+    invariant: bool
+    reason: str
+    def __init__(self, instance_id: _Optional[str] = ..., numerics: _Optional[str] = ..., quantize: _Optional[str] = ..., invariant: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...

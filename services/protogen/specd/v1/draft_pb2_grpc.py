@@ -51,6 +51,11 @@ class DraftServiceStub:
                 request_serializer=specd_dot_v1_dot_common__pb2.SessionRef.SerializeToString,
                 response_deserializer=specd_dot_v1_dot_common__pb2.SessionInfo.FromString,
                 _registered_method=True)
+        self.GetEngineInfo = channel.unary_unary(
+                '/specd.v1.DraftService/GetEngineInfo',
+                request_serializer=specd_dot_v1_dot_common__pb2.EngineInfoRequest.SerializeToString,
+                response_deserializer=specd_dot_v1_dot_common__pb2.EngineInfo.FromString,
+                _registered_method=True)
 
 
 class DraftServiceServicer:
@@ -76,6 +81,13 @@ class DraftServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetEngineInfo(self, request, context):
+        """its numerics, for clients and the gateway
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DraftServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -93,6 +105,11 @@ def add_DraftServiceServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=specd_dot_v1_dot_common__pb2.SessionRef.FromString,
                     response_serializer=specd_dot_v1_dot_common__pb2.SessionInfo.SerializeToString,
+            ),
+            'GetEngineInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetEngineInfo,
+                    request_deserializer=specd_dot_v1_dot_common__pb2.EngineInfoRequest.FromString,
+                    response_serializer=specd_dot_v1_dot_common__pb2.EngineInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -177,6 +194,33 @@ class DraftService:
             '/specd.v1.DraftService/Release',
             specd_dot_v1_dot_common__pb2.SessionRef.SerializeToString,
             specd_dot_v1_dot_common__pb2.SessionInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetEngineInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specd.v1.DraftService/GetEngineInfo',
+            specd_dot_v1_dot_common__pb2.EngineInfoRequest.SerializeToString,
+            specd_dot_v1_dot_common__pb2.EngineInfo.FromString,
             options,
             channel_credentials,
             insecure,

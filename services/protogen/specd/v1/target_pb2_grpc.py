@@ -56,6 +56,11 @@ class TargetServiceStub:
                 request_serializer=specd_dot_v1_dot_common__pb2.SessionRef.SerializeToString,
                 response_deserializer=specd_dot_v1_dot_common__pb2.SessionInfo.FromString,
                 _registered_method=True)
+        self.GetEngineInfo = channel.unary_unary(
+                '/specd.v1.TargetService/GetEngineInfo',
+                request_serializer=specd_dot_v1_dot_common__pb2.EngineInfoRequest.SerializeToString,
+                response_deserializer=specd_dot_v1_dot_common__pb2.EngineInfo.FromString,
+                _registered_method=True)
 
 
 class TargetServiceServicer:
@@ -88,6 +93,13 @@ class TargetServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetEngineInfo(self, request, context):
+        """its numerics, for clients and the gateway
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TargetServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -110,6 +122,11 @@ def add_TargetServiceServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=specd_dot_v1_dot_common__pb2.SessionRef.FromString,
                     response_serializer=specd_dot_v1_dot_common__pb2.SessionInfo.SerializeToString,
+            ),
+            'GetEngineInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetEngineInfo,
+                    request_deserializer=specd_dot_v1_dot_common__pb2.EngineInfoRequest.FromString,
+                    response_serializer=specd_dot_v1_dot_common__pb2.EngineInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -221,6 +238,33 @@ class TargetService:
             '/specd.v1.TargetService/Release',
             specd_dot_v1_dot_common__pb2.SessionRef.SerializeToString,
             specd_dot_v1_dot_common__pb2.SessionInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetEngineInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specd.v1.TargetService/GetEngineInfo',
+            specd_dot_v1_dot_common__pb2.EngineInfoRequest.SerializeToString,
+            specd_dot_v1_dot_common__pb2.EngineInfo.FromString,
             options,
             channel_credentials,
             insecure,
