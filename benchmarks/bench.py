@@ -56,16 +56,21 @@ from tqdm import tqdm
 from transformers import AutoTokenizer
 from transformers.generation.streamers import BaseStreamer
 
-from benchmarks.common import RESULTS, machine, specd_up, write
+from benchmarks import llama_server
+from benchmarks.common import RESULTS, machine, rss_bytes, specd_up, write
 from services.coordinator.model_info import load_model_info
 from services.protogen.specd.v1 import coordinator_pb2, coordinator_pb2_grpc
 from specd.engine import EngineConfig, ModelEngine
+from specd import models
 from specd.models import fetch
 from specd.policy import expected_tokens
 
 PROMPTS = Path(__file__).resolve().parent / "prompts.json"
 PLAIN, ADAPTIVE, HF_ASSISTED, HF_PLAIN = "plain", "adaptive", "hf_assisted", "hf_plain"
+LLAMA_PLAIN, LLAMA_SPEC = "llama_plain", "llama_spec"  # llama.cpp's llama-server on the same GGUF files
+PEERS = (HF_PLAIN, HF_ASSISTED, LLAMA_PLAIN, LLAMA_SPEC)  # not specd: no round statistics
 CLASS_GOALS = {"code": 2.5, "prose": 1.3, "chat": 1.8}  # adaptive speedup vs plain, issue 5
+PEER_GOALS = {"code": 2.0, "prose": 1.0, "chat": 1.4}  # adaptive vs llama-server plain, issue 18
 
 
 @dataclass(frozen=True)
@@ -115,6 +120,9 @@ class BenchConfig:
     draft_dir: Path | None = None  # None: the fetched pair (`specd models fetch`)
     target_dir: Path | None = None
     hf: bool = True
+    llama_server: Path | None = None  # llama.cpp's llama-server binary: its plain and speculative runs too
+    threads: int = os.cpu_count() or 1  # llama-server's threads (specd's are its services' own settings)
+    prompts: Path = PROMPTS
     name: str = "bench"  # benchmarks/results/<name>.json and plots
     progress: bool = True
 
@@ -126,10 +134,10 @@ class LosslessViolation(SystemExit):
 # --- prompts -------------------------------------------------------------------------------
 
 
-def load_prompts(target_dir: Path, per_class: int) -> list[Prompt]:
+def load_prompts(target_dir: Path, per_class: int, path: Path = PROMPTS) -> list[Prompt]:
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     prompts = []
-    for kind, entries in json.loads(PROMPTS.read_text()).items():
+    for kind, entries in json.loads(path.read_text()).items():
         for entry in entries[:per_class]:
             prompts.append(Prompt(entry["name"], kind, tuple(_tokenize(tokenizer, entry))))
     return prompts
@@ -245,8 +253,11 @@ def warm_up(stub, prompt: Prompt) -> None:
         stream(stub, "warmup", prompt, 16, **fields)
 
 
-def service_runs(stub, cfg: BenchConfig, prompts: list[Prompt], bar) -> tuple[list[Measured], dict]:
+def service_runs(stub, cfg: BenchConfig, prompts: list[Prompt], bar, peers: dict[str, str]) -> tuple[list[Measured], dict]:
+    """specd's configurations and then the llama-server peers (config -> URL) on each prompt in turn."""
     warm_up(stub, prompts[0])
+    for url in peers.values():
+        llama_server.stream(url, prompts[0].token_ids, 16)
     runs, probes = [], {}
     for prompt in prompts * cfg.repeats:
         if prompt.name not in probes:
@@ -255,7 +266,16 @@ def service_runs(stub, cfg: BenchConfig, prompts: list[Prompt], bar) -> tuple[li
             bar.set_description(f"{config} {prompt.name}")
             runs.append(stream(stub, config, prompt, cfg.tokens, **fields))
             bar.update()
+        for config, url in peers.items():
+            bar.set_description(f"{config} {prompt.name}")
+            runs.append(peer_stream(url, config, prompt, cfg.tokens))
+            bar.update()
     return runs, probes
+
+
+def peer_stream(url: str, config: str, prompt: Prompt, tokens: int) -> Measured:
+    output, wall, arrivals = llama_server.stream(url, prompt.token_ids, tokens)
+    return Measured(config, prompt.name, prompt.kind, output, wall, arrivals)
 
 
 def concurrency_runs(stub, cfg: BenchConfig, prompts: list[Prompt], bar) -> dict:
@@ -275,27 +295,69 @@ def concurrency_runs(stub, cfg: BenchConfig, prompts: list[Prompt], bar) -> dict
     concurrent_s = time.perf_counter() - start
     bar.update(cfg.concurrency)
     tokens = sum(len(r.output) for r in concurrent)
-    return {
+    result = {
         "sessions": cfg.concurrency,
         "sequential_tokens_per_s": round(sum(len(r.output) for r in sequential) / sequential_s, 3),
         "concurrent_tokens_per_s": round(tokens / concurrent_s, 3),
         "ratio": round((tokens / concurrent_s) / (sum(len(r.output) for r in sequential) / sequential_s), 3),
         "runs": sequential + concurrent,
     }
+    if cfg.llama_server:
+        result |= _llama_concurrent(cfg, batch)
+    return result
+
+
+def _llama_concurrent(cfg: BenchConfig, batch: list[Prompt]) -> dict:
+    """The same N requests at once against `llama-server -np N` (plain), aggregate tokens/s."""
+    target_gguf, _ = gguf_files()
+    with llama_server.serve(cfg.llama_server, target_gguf, cfg.threads, parallel=cfg.concurrency) as server:
+        llama_server.stream(server.url, batch[0].token_ids, 8)
+        start = time.perf_counter()
+        with ThreadPoolExecutor(cfg.concurrency) as pool:
+            runs = list(pool.map(lambda p: peer_stream(server.url, LLAMA_PLAIN, p, cfg.tokens), batch))
+        seconds = time.perf_counter() - start
+        rss = rss_bytes(server.pid)
+    ours = sum(len(r.output) for r in runs) / seconds
+    return {"llama_concurrent_tokens_per_s": round(ours, 3), "llama_concurrent_rss_gb": round(rss / 1e9, 2)}
 
 
 @contextmanager
 def coordinator(cfg: BenchConfig, draft_dir: Path, target_dir: Path) -> Iterator:
+    """A coordinator stub and the resident memory of each local service (a callable: bytes by role)."""
     if cfg.address:
         with grpc.insecure_channel(cfg.address) as channel:
-            yield coordinator_pb2_grpc.CoordinatorStub(channel)
+            yield coordinator_pb2_grpc.CoordinatorStub(channel), dict  # remote services: memory unknown
         return
     flags = ("--draft-model-dir", str(draft_dir), "--target-model-dir", str(target_dir), *cfg.up_flags)
-    with specd_up(*flags) as stub:
-        yield stub
+    with specd_up(*flags) as up:
+        yield up.stub, up.rss
+
+
+@contextmanager
+def peers(cfg: BenchConfig) -> Iterator[dict[str, llama_server.Server]]:
+    """llama-server plain and speculative on the pair's GGUF files, when the bench has a binary."""
+    if cfg.llama_server is None:
+        yield {}
+        return
+    target_gguf, draft_gguf = gguf_files()
+    with llama_server.serve(cfg.llama_server, target_gguf, cfg.threads) as plain, \
+            llama_server.serve(cfg.llama_server, target_gguf, cfg.threads, draft_gguf=draft_gguf) as speculative:
+        yield {LLAMA_PLAIN: plain, LLAMA_SPEC: speculative}
+
+
+def gguf_files() -> tuple[Path, Path]:
+    """The verified GGUF files of the target and the draft (downloaded again if fetch removed them)."""
+    return models.gguf_path("target"), models.gguf_path("draft")
 
 
 # --- losslessness --------------------------------------------------------------------------
+
+
+def peer_lossless(runs: list[Measured]) -> dict[str, bool]:
+    """Per prompt: llama-server's speculative greedy text equals its own plain text (its kernels are
+    not batch-invariant: this is a measurement, not a check specd's runs must pass)."""
+    plain = {r.prompt: r.output for r in runs if r.config == LLAMA_PLAIN}
+    return {r.prompt: r.output == plain[r.prompt] for r in runs if r.config == LLAMA_SPEC}
 
 
 def mismatches(reference: dict[str, tuple[int, ...]], runs: list[Measured]) -> list[str]:
@@ -393,7 +455,7 @@ def class_summary(kind: str, runs: list[Measured], probes: dict, ks: tuple[int, 
     configs = list(dict.fromkeys(r.config for r in runs))
     service = [c for c in configs if c in service_configs(ks)]
     times = step_times(runs, probes, service)
-    drafting = [r for r in runs if r.config not in (PLAIN, HF_PLAIN, HF_ASSISTED)]
+    drafting = [r for r in runs if r.config not in (PLAIN, *PEERS)]
     judged = sum(r.stats["judged_tokens"] for r in drafting)
     alpha = sum(r.stats["accepted_tokens"] for r in drafting) / judged if judged else math.nan
     ideal = theoretical(alpha, times, ks)
@@ -418,8 +480,8 @@ def _rounded(value):
 # --- goals (issue 5) -----------------------------------------------------------------------
 
 
-def goals(classes: dict[str, dict], concurrency: dict | None) -> list[dict]:
-    rows = []
+def goals(classes: dict[str, dict], concurrency: dict | None, memory: dict[str, float]) -> list[dict]:
+    rows = _peer_goals(classes, concurrency, memory)
     for kind, target in CLASS_GOALS.items():
         if kind in classes:
             got = classes[kind]["configs"][ADAPTIVE]["speedup"]
@@ -438,6 +500,30 @@ def goals(classes: dict[str, dict], concurrency: dict | None) -> list[dict]:
     if concurrency:
         n, ratio = concurrency["sessions"], concurrency["ratio"]
         rows.append(_goal(f"{n} concurrent sessions ≥ 2× sequential (aggregate tok/s)", ratio, ratio >= 2.0))
+    return rows
+
+
+def _peer_goals(classes: dict[str, dict], concurrency: dict | None, memory: dict[str, float]) -> list[dict]:
+    """Issue 18's goals against llama-server, when it ran."""
+    rows = []
+    for kind, target in PEER_GOALS.items():
+        configs = classes.get(kind, {}).get("configs", {})
+        if LLAMA_PLAIN not in configs:
+            continue
+        ours = configs[ADAPTIVE]["tokens_per_s"]
+        got = ours / configs[LLAMA_PLAIN]["tokens_per_s"]
+        rows.append(_goal(f"{kind}: adaptive vs llama-server plain ≥ {target}×", got, got >= target))
+        got = ours / configs[LLAMA_SPEC]["tokens_per_s"]
+        rows.append(_goal(f"{kind}: adaptive ahead of llama-server speculative", got, got > 1.0))
+        got = configs[PLAIN]["tokens_per_s"] / configs[LLAMA_PLAIN]["tokens_per_s"]
+        rows.append(_goal(f"{kind}: specd plain vs llama-server plain ≥ 0.8×", got, got >= 0.8))
+    if concurrency and "llama_concurrent_tokens_per_s" in concurrency:
+        got = concurrency["concurrent_tokens_per_s"] / concurrency["llama_concurrent_tokens_per_s"]
+        rows.append(_goal(f"{concurrency['sessions']} concurrent vs llama-server -np {concurrency['sessions']} ≥ 1.0×",
+                          got, got >= 1.0))
+    if memory:
+        total = sum(memory.values())
+        rows.append(_goal("draft + target + coordinator RSS ≤ 6 GB", total, total <= 6.0))
     return rows
 
 
@@ -512,14 +598,17 @@ def run(cfg: BenchConfig) -> dict:
     output differs from plain decoding."""
     started = time.perf_counter()
     draft_dir, target_dir = _model_dirs(cfg)
-    prompts = load_prompts(target_dir, cfg.prompts_per_class)
-    total = cfg.repeats * len(prompts) * (len(service_configs(cfg.ks)) + 2 * cfg.hf) + 2 * cfg.concurrency
+    prompts = load_prompts(target_dir, cfg.prompts_per_class, cfg.prompts)
+    per_prompt = len(service_configs(cfg.ks)) + 2 * cfg.hf + 2 * (cfg.llama_server is not None)
+    total = cfg.repeats * len(prompts) * per_prompt + 2 * cfg.concurrency
     with tqdm(total=total, unit="req", disable=not cfg.progress) as bar:
         hf = hf_runs(cfg, prompts, draft_dir, target_dir, bar) if cfg.hf else []
-        with coordinator(cfg, draft_dir, target_dir) as stub:
-            runs, probes = service_runs(stub, cfg, prompts, bar)
+        with coordinator(cfg, draft_dir, target_dir) as (stub, memory), peers(cfg) as servers:
+            runs, probes = service_runs(stub, cfg, prompts, bar, {name: s.url for name, s in servers.items()})
+            rss = {role: round(size / 1e9, 2) for role, size in memory().items()}
+            rss |= {name: round(rss_bytes(s.pid) / 1e9, 2) for name, s in servers.items()}
             scaling = concurrency_runs(stub, cfg, prompts, bar) if cfg.concurrency > 0 else None
-    result = _result(cfg, prompts, runs + hf, probes, scaling, time.perf_counter() - started)
+    result = _result(cfg, prompts, runs + hf, probes, scaling, time.perf_counter() - started, rss)
     write(cfg.name, result)
     if problems := result["lossless"]["mismatches"]:
         raise LosslessViolation("LOSSLESS VIOLATION: " + "; ".join(problems))
@@ -533,9 +622,10 @@ def _model_dirs(cfg: BenchConfig) -> tuple[Path, Path]:
     return cfg.draft_dir or paths["draft"], cfg.target_dir or paths["target"]
 
 
-def _result(cfg, prompts, runs, probes, scaling, duration_s) -> dict:
+def _result(cfg, prompts, runs, probes, scaling, duration_s, rss) -> dict:
     reference = {r.prompt: r.output for r in runs if r.config == PLAIN}
-    checked = runs + (scaling["runs"] if scaling else [])
+    ours = [r for r in runs + (scaling["runs"] if scaling else []) if r.config not in (LLAMA_PLAIN, LLAMA_SPEC)]
+    specd_rss = {role: size for role, size in rss.items() if role in ("draft", "target", "coordinator")}
     classes = {kind: class_summary(kind, runs, probes, cfg.ks) for kind in dict.fromkeys(p.kind for p in prompts)}
     plots = plot(classes, runs, cfg.name)
     return {
@@ -552,14 +642,16 @@ def _result(cfg, prompts, runs, probes, scaling, duration_s) -> dict:
                            "ModelEngine numerics (fp32 target + small-row matmul, int8 draft)",
         },
         "duration_s": round(duration_s, 1),
-        "lossless": {"checked": len(checked), "mismatches": mismatches(reference, checked)},
+        "lossless": {"checked": len(ours), "mismatches": mismatches(reference, ours),
+                     "llama_spec_equals_its_plain": peer_lossless(runs)},
+        "rss_gb": rss,
         "classes": classes,
         "concurrency": scaling and {k: v for k, v in scaling.items() if k != "runs"},
         "pipelined_drafting": "benchmarks/results/pipeline.json (python -m benchmarks.pipeline: injected RTT, "
                               "thread splits, off / on / auto)",
-        "goals": goals(classes, scaling),
+        "goals": goals(classes, scaling, specd_rss),
         "prefill_probes_s": _rounded(probes),
-        "runs": [_run_json(r) for r in checked],
+        "runs": [_run_json(r) for r in runs + (scaling["runs"] if scaling else [])],
         "plots": [p.name for p in plots],  # next to this file
     }
 
@@ -605,10 +697,19 @@ def main(argv: list[str] | None = None) -> int:
                         help="the draft and target services take turns at the cores (specd up's default)")
     parser.add_argument("--draft-confidence", help="adaptive K's confidence stop (default: the coordinator's)")
     parser.add_argument("--siblings", choices=("on", "off"), help="greedy siblings in spare rows (default: on)")
+    parser.add_argument("--target-quantize", help="the target's numerics: none | q4 | auto (default: specd up's)")
+    parser.add_argument("--draft-quantize", help="the draft's numerics: none | int8 | q4 | auto (default: specd up's)")
+    parser.add_argument("--llama-server", type=Path, help="llama.cpp's llama-server binary (../shared/tools/"
+                        "build-llama-server): run it plain and speculative on the same GGUF files, side by side")
+    parser.add_argument("--prompts", type=Path, default=PROMPTS, help="prompt set (benchmarks/prompts.json; "
+                        "held out: benchmarks/prompts_heldout.json)")
     args = parser.parse_args(argv)
     up_flags = ("--pipeline", args.pipeline, "--core-turns", args.core_turns) + tuple(
         ("--draft-confidence", args.draft_confidence) if args.draft_confidence is not None else ()
     ) + tuple(("--siblings", args.siblings) if args.siblings else ()) + tuple(
+        arg for role in ("draft", "target") if getattr(args, f"{role}_quantize")
+        for arg in (f"--{role}-quantize", getattr(args, f"{role}_quantize"))
+    ) + tuple(
         arg for role in ("draft", "target") if getattr(args, f"{role}_threads")
         for arg in (f"--{role}-threads", str(getattr(args, f"{role}_threads")))
     )
@@ -616,6 +717,7 @@ def main(argv: list[str] | None = None) -> int:
         tokens=args.tokens, ks=tuple(int(k) for k in args.ks.split(",")), prompts_per_class=args.prompts_per_class,
         concurrency=args.concurrency, repeats=args.repeats, address=args.address, up_flags=up_flags,
         draft_dir=args.draft_model_dir, target_dir=args.target_model_dir, hf=not args.no_hf, name=args.name,
+        llama_server=args.llama_server, threads=args.target_threads or os.cpu_count() or 1, prompts=args.prompts,
     )
     result = run(cfg)
     print(json.dumps({k: result[k] for k in ("duration_s", "lossless", "concurrency", "goals")}, indent=2))

@@ -20,9 +20,55 @@ from services.protogen.specd.v1 import coordinator_pb2, coordinator_pb2_grpc
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+@dataclass(frozen=True)
+class Up:
+    stub: coordinator_pb2_grpc.CoordinatorStub
+    pid: int  # the `specd up` process; the services are its children
+
+    def rss(self) -> dict[str, int]:
+        """Resident bytes of each service process (draft, target, coordinator) right now."""
+        children = _descendants(self.pid)
+        sizes = {}
+        for role in ("draft", "target", "coordinator"):
+            pids = [pid for pid, command in children.items() if f"services.{role}" in command]
+            sizes[role] = sum(rss_bytes(pid) for pid in pids)
+        return sizes
+
+
+def _descendants(root: int) -> dict[int, str]:
+    """pid -> command line of every process under `root` (Linux /proc)."""
+    parents, commands = {}, {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                commands[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except (OSError, IndexError, ValueError):
+                continue
+    found, frontier = {}, [root]
+    while frontier:
+        pid = frontier.pop()
+        for child, parent in parents.items():
+            if parent == pid and child not in found:
+                found[child] = commands.get(child, "")
+                frontier.append(child)
+    return found
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident set size of a process (Linux /proc), 0 when it is gone."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return 0
+    line = next((x for x in status.splitlines() if x.startswith("VmRSS:")), "VmRSS: 0 kB")
+    return int(line.split()[1]) * 1024
+
+
 @contextmanager
 def specd_up(*flags: str, timeout_s: float = 600):
-    """Start draft + target + coordinator (+ Redis) on free ports; yield a coordinator stub."""
+    """Start draft + target + coordinator (+ Redis) on free ports; yield `Up` (a coordinator stub
+    and the services' memory)."""
     ports = {role: free_port() for role in ("coordinator", "draft", "target", "http", "draft-metrics", "target-metrics")}
     port_flags = [arg for role, port in ports.items() for arg in (f"--{role}-port", str(port))]
     proc = subprocess.Popen(
@@ -39,7 +85,7 @@ def specd_up(*flags: str, timeout_s: float = 600):
         else:
             raise RuntimeError(f"specd up exited with {proc.wait()}")
         with grpc.insecure_channel(f"127.0.0.1:{ports['coordinator']}") as channel:
-            yield coordinator_pb2_grpc.CoordinatorStub(channel)
+            yield Up(coordinator_pb2_grpc.CoordinatorStub(channel), proc.pid)
     finally:
         proc.terminate()
         proc.wait(timeout=60)

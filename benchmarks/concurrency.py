@@ -33,9 +33,9 @@ from services.common.worker import Batching
 
 def measure(turns: str, cfg: BenchConfig, prompts, draft_dir, target_dir, up_flags: tuple[str, ...]) -> dict:
     flags = ("--core-turns", turns, *up_flags, "--draft-model-dir", str(draft_dir), "--target-model-dir", str(target_dir))
-    with specd_up(*flags) as stub, tqdm(total=2 * cfg.concurrency, unit="req", desc=f"turns {turns}") as bar:
-        warm_up(stub, prompts[0])
-        scaling = concurrency_runs(stub, cfg, prompts, bar)
+    with specd_up(*flags) as up, tqdm(total=2 * cfg.concurrency, unit="req", desc=f"turns {turns}") as bar:
+        warm_up(up.stub, prompts[0])
+        scaling = concurrency_runs(up.stub, cfg, prompts, bar)
     runs = scaling.pop("runs")
     sequential = {r.prompt: r.output for r in runs if r.config == "sequential"}
     scaling["mismatches"] = mismatches(sequential, [r for r in runs if r.config == "concurrent"])

@@ -104,11 +104,11 @@ def main() -> None:
     args = parser.parse_args()
     fetch()
     result = {"machine": machine(), "tokens": args.tokens, "repeats": args.repeats}
-    with specd_up("--draft-model-dir", random_draft()) as stub:
-        result["useless_draft"] = session_mix(stub, PROMPTS, args.tokens, args.repeats)
+    with specd_up("--draft-model-dir", random_draft()) as up:
+        result["useless_draft"] = session_mix(up.stub, PROMPTS, args.tokens, args.repeats)
     result["useless_draft_overall_ratio"] = overall(result["useless_draft"])
-    with specd_up() as stub:  # the first code request starts with no learned prior
-        result["real_pair_code"] = session_mix(stub, CODE_PROMPTS, args.tokens, args.repeats)
+    with specd_up() as up:  # the first code request starts with no learned prior
+        result["real_pair_code"] = session_mix(up.stub, CODE_PROMPTS, args.tokens, args.repeats)
     result["real_pair_code_overall_ratio"] = overall(result["real_pair_code"])
     path = write("fallback", result)
     print(json.dumps({k: v for k, v in result.items() if k != "machine"}, indent=2))

@@ -35,9 +35,9 @@ def splits() -> dict[str, tuple[str, ...]]:
 
 
 def run_config(mode: str, threads: tuple[str, ...], rtt_ms: float, tokens: int) -> list:
-    with specd_up("--pipeline", mode, "--inject-rtt-ms", str(rtt_ms), *threads) as stub:
-        timed(stub, "warm-up", CODE_PROMPTS["code"], 8)
-        return [timed(stub, name, text, tokens) for name, text in CODE_PROMPTS.items()]
+    with specd_up("--pipeline", mode, "--inject-rtt-ms", str(rtt_ms), *threads) as up:
+        timed(up.stub, "warm-up", CODE_PROMPTS["code"], 8)
+        return [timed(up.stub, name, text, tokens) for name, text in CODE_PROMPTS.items()]
 
 
 def rate(runs) -> float:

