@@ -637,6 +637,8 @@ def _result(cfg, prompts, runs, probes, scaling, duration_s, rss) -> dict:
             "services": cfg.address or "specd up " + " ".join(cfg.up_flags),
             "threads": {role: _flag(cfg.up_flags, f"--{role}-threads") or f"torch default ({os.cpu_count()} cores)"
                         for role in ("draft", "target")},
+            "llama_server": cfg.llama_server and f"{cfg.llama_server} -t {cfg.threads} (plain; speculative adds "
+                                                 f"--spec-type draft-simple -md DRAFT --spec-draft-n-max {llama_server.SPEC_DRAFT_MAX})",
             "hf_assisted": "transformers generate(assistant_model=draft, do_sample=False), default "
                            "num_assistant_tokens=20, schedule constant, assistant_confidence_threshold=0.4; "
                            "ModelEngine numerics (fp32 target + small-row matmul, int8 draft)",
