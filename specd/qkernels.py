@@ -170,7 +170,7 @@ def available() -> str | None:
     return None
 
 
-def _cache_dir() -> Path:
+def cache_dir() -> Path:
     env = os.environ.get("SPECD_KERNEL_CACHE")
     return Path(env).expanduser() if env else Path.home() / ".cache" / "specd" / "kernels"
 
@@ -194,7 +194,7 @@ def _library(march: str = NATIVE) -> ctypes.CDLL:
     source = _SOURCE.read_bytes()
     flags = [f"-march={march}", *_FLAGS]
     key = hashlib.sha256(source + " ".join(flags).encode() + _cpu_flags().encode()).hexdigest()[:16]
-    path = _cache_dir() / f"q4-{march}-{key}.so"
+    path = cache_dir() / f"q4-{march}-{key}.so"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=path.parent) as tmp:

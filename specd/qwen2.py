@@ -9,17 +9,22 @@ plain decoding's text, and sampled speculation its distribution, in this numeric
 
 The weights are read tensor by tensor from the model's safetensors and quantised as they come:
 no float32 model is ever built, and nothing of the file stays mapped (weights held once, 5 bits).
+The quantised weights are cached (one file per checkpoint, in the kernels' cache directory), so a
+restart reads 1.1 GB instead of quantising 7 GB.
 q/k/v and gate/up are each one fused weight (rows are independent, so fusing changes nothing).
 """
 
 from __future__ import annotations
 
+import hashlib
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 from transformers import AutoConfig
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
 
@@ -53,26 +58,16 @@ class Q4Qwen2:
         self.intermediate = config.intermediate_size
         self.eps = config.rms_norm_eps
         self.rotary = Qwen2RotaryEmbedding(config)
-        with _Tensors(Path(model_dir)) as tensors:
-            self.embed = qkernels.quantize(tensors.take("model.embed_tokens.weight"))  # rows dequantised on lookup
-            head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
-            self.lm_head = self.embed if config.tie_word_embeddings else qkernels.quantize(tensors.take(head))
-            self.norm = tensors.take("model.norm.weight")
-            self.layers = [self._layer(tensors, f"model.layers.{i}.") for i in range(config.num_hidden_layers)]
-
-    def _layer(self, tensors: "_Tensors", prefix: str) -> _Layer:
-        attn, mlp = prefix + "self_attn.", prefix + "mlp."
-        qkv = [tensors.take(f"{attn}{p}_proj.weight") for p in "qkv"]
-        biases = [tensors.take(f"{attn}{p}_proj.bias", optional=True) for p in "qkv"]
-        bias = torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for b, w in zip(biases, qkv)])
-        return _Layer(
-            input_norm=tensors.take(prefix + "input_layernorm.weight"),
-            qkv=qkernels.quantize(torch.cat(qkv), bias),
-            o=qkernels.quantize(tensors.take(attn + "o_proj.weight")),
-            post_norm=tensors.take(prefix + "post_attention_layernorm.weight"),
-            gate_up=qkernels.quantize(torch.cat([tensors.take(mlp + "gate_proj.weight"), tensors.take(mlp + "up_proj.weight")])),
-            down=qkernels.quantize(tensors.take(mlp + "down_proj.weight")),
-        )
+        state = _cached_state(Path(model_dir))
+        weight = lambda name: _q4_weight(state, name)  # noqa: E731
+        self.embed = weight("embed")  # its rows are dequantised on lookup
+        self.lm_head = self.embed if config.tie_word_embeddings else weight("lm_head")
+        self.norm = state["norm"]
+        self.layers = [
+            _Layer(state[f"{i}.input_norm"], weight(f"{i}.qkv"), weight(f"{i}.o"), state[f"{i}.post_norm"],
+                   weight(f"{i}.gate_up"), weight(f"{i}.down"))
+            for i in range(config.num_hidden_layers)
+        ]
 
     @property
     def nbytes(self) -> int:
@@ -182,6 +177,63 @@ class KVCache:
                 tensors[i] = torch.empty(old.shape[0], capacity, old.shape[2])
                 tensors[i][:, : self.length] = old[:, : self.length]
         self.capacity = capacity
+
+
+FORMAT = "q4-v1"  # the cached file's layout: bump when quantize() or the names change
+
+
+def _cached_state(model_dir: Path) -> dict[str, torch.Tensor]:
+    """The quantised weights and norms by name, from the cache (specd/qkernels' cache directory)
+    when this checkpoint was quantised before, else quantised now and cached. Read into memory: the
+    file is closed afterwards."""
+    files = sorted(model_dir.glob("*.safetensors"))
+    stamp = "".join(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns};" for f in files)
+    key = hashlib.sha256((FORMAT + str(model_dir.resolve()) + stamp).encode()).hexdigest()[:20]
+    path = qkernels.cache_dir() / f"{FORMAT}-{key}.safetensors"
+    if path.exists():
+        with safe_open(str(path), framework="pt") as cached:
+            return {name: cached.get_tensor(name).clone() for name in cached.keys()}
+    state = _quantised_state(model_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".partial", delete=False) as partial:
+        save_file(state, partial.name)
+    Path(partial.name).replace(path)  # atomic: a concurrent loader finds a whole file or none
+    return state
+
+
+def _quantised_state(model_dir: Path) -> dict[str, torch.Tensor]:
+    """Read the checkpoint tensor by tensor and quantise its linears (q/k/v and gate/up fused)."""
+    state: dict[str, torch.Tensor] = {}
+
+    def put(name: str, weight: Q4Weight) -> None:
+        state.update({f"{name}.packed": weight.packed, f"{name}.d": weight.d, f"{name}.m": weight.m})
+        if weight.bias is not None:
+            state[f"{name}.bias"] = weight.bias
+
+    config = AutoConfig.from_pretrained(model_dir)
+    with _Tensors(model_dir) as tensors:
+        put("embed", qkernels.quantize(tensors.take("model.embed_tokens.weight")))
+        if not config.tie_word_embeddings:
+            put("lm_head", qkernels.quantize(tensors.take("lm_head.weight")))
+        state["norm"] = tensors.take("model.norm.weight")
+        for i in range(config.num_hidden_layers):
+            prefix = f"model.layers.{i}."
+            attn, mlp = prefix + "self_attn.", prefix + "mlp."
+            qkv = [tensors.take(f"{attn}{p}_proj.weight") for p in "qkv"]
+            biases = [tensors.take(f"{attn}{p}_proj.bias", optional=True) for p in "qkv"]
+            bias = torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for b, w in zip(biases, qkv)])
+            put(f"{i}.qkv", qkernels.quantize(torch.cat(qkv), bias))
+            put(f"{i}.o", qkernels.quantize(tensors.take(attn + "o_proj.weight")))
+            gate_up = torch.cat([tensors.take(mlp + "gate_proj.weight"), tensors.take(mlp + "up_proj.weight")])
+            put(f"{i}.gate_up", qkernels.quantize(gate_up))
+            put(f"{i}.down", qkernels.quantize(tensors.take(mlp + "down_proj.weight")))
+            state[f"{i}.input_norm"] = tensors.take(prefix + "input_layernorm.weight")
+            state[f"{i}.post_norm"] = tensors.take(prefix + "post_attention_layernorm.weight")
+    return state
+
+
+def _q4_weight(state: dict[str, torch.Tensor], name: str) -> Q4Weight:
+    return Q4Weight(state[f"{name}.packed"], state[f"{name}.d"], state[f"{name}.m"], state.get(f"{name}.bias"))
 
 
 class _Tensors:

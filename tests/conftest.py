@@ -1,3 +1,4 @@
+import os
 from pathlib import Path
 from typing import Callable
 
@@ -11,6 +12,20 @@ from services.common.redis_server import LocalRedis
 # The tiny models are far too small to gain from intra-op threads, and on a 2-core machine
 # shared with model services two OpenMP threads per matmul make each one ~100x slower.
 torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def kernel_cache(tmp_path_factory) -> Path:
+    """Kernels built and checkpoints quantised by this run go to a directory of its own: the test
+    models are new every run, and their quantised copies must not pile up in the user's cache."""
+    path = tmp_path_factory.mktemp("kernels")
+    before = os.environ.get("SPECD_KERNEL_CACHE")
+    os.environ["SPECD_KERNEL_CACHE"] = str(path)
+    yield path
+    if before is None:
+        del os.environ["SPECD_KERNEL_CACHE"]
+    else:
+        os.environ["SPECD_KERNEL_CACHE"] = before
 
 
 @pytest.fixture(scope="session")

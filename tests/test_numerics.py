@@ -6,7 +6,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from specd import numerics, qkernels, ragged
+from specd import numerics, qkernels, qwen2, ragged
 from specd.engine import EngineConfig, ModelEngine
 
 MAX_ROWS = 16
@@ -105,6 +105,20 @@ def test_a_sibling_row_is_the_step_that_token_would_take(q4_target):
     assert caches[0].get_seq_length() == len(prompt) + 3  # the sibling's KV never enters the cache
     q4_target.sync("sibling", 0, prompt + [99])
     assert torch.equal(with_sibling[3], q4_target.forward("sibling")[-1])
+
+
+def test_a_restart_reads_the_cached_quantised_weights_back_bit_for_bit(tiny_pair):
+    first = qwen2.Q4Qwen2(tiny_pair[1])  # quantises, or reads the cache the fixture's engine wrote
+    assert list(qkernels.cache_dir().glob(f"{qwen2.FORMAT}-*.safetensors"))
+    state = qwen2._quantised_state(tiny_pair[1])  # what quantising afresh gives
+    second = qwen2.Q4Qwen2(tiny_pair[1])
+    for net in (first, second):
+        layer = net.layers[1]
+        assert torch.equal(layer.gate_up.packed, state["1.gate_up.packed"]) and torch.equal(layer.qkv.bias, state["1.qkv.bias"])
+        assert torch.equal(net.lm_head.d, state["lm_head.d"]) and torch.equal(layer.post_norm, state["1.post_norm"])
+    caches = [first.new_cache(), second.new_cache()]
+    logits = [net.forward([cache], [[3, 17, 250, 42]], [4])[0] for net, cache in zip((first, second), caches)]
+    assert torch.equal(logits[0], logits[1])
 
 
 def test_auto_chooses_an_invariant_mode_and_says_why(caplog):
