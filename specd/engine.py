@@ -189,9 +189,9 @@ class ModelEngine:
         Returns float32 CPU logits [len(extra) + 1, vocab]: row i is the next-token distribution
         after tokens[:n + i], where n is the session length before the call.
         """
+        if self._q4 is not None:  # its one-session pass is its ragged pass
+            return self.forward_many([(session_id, extra)])[0]
         session, new = self._prepare(session_id, extra)
-        if self._q4 is not None:
-            return self._forward_q4(session, new, extra)
         input_ids = torch.tensor([new], dtype=torch.long, device=self.config.device)  # [1, len(new)]
         try:
             out = self.model(
@@ -281,15 +281,6 @@ class ModelEngine:
         self._sessions.pop(session_id, None)
 
     # -- helpers ------------------------------------------------------------------------------
-
-    def _forward_q4(self, session: _Session, new: list[int], extra: Sequence[int]) -> torch.Tensor:
-        try:
-            logits = self._q4.forward([session.cache], [new], [len(extra) + 1])[0]
-        except BaseException:
-            self._reset_caches([session])
-            raise
-        session.tokens.extend(extra)
-        return logits
 
     def _ragged_forward(self, caches, inputs, keep, branches) -> list[torch.Tensor]:
         if self._q4 is not None:

@@ -58,7 +58,7 @@ class Q4Qwen2:
         self.intermediate = config.intermediate_size
         self.eps = config.rms_norm_eps
         self.rotary = Qwen2RotaryEmbedding(config)
-        state = _cached_state(Path(model_dir))
+        state = _cached_state(Path(model_dir), config)
         weight = lambda name: _q4_weight(state, name)  # noqa: E731
         self.embed = weight("embed")  # its rows are dequantised on lookup
         self.lm_head = self.embed if config.tie_word_embeddings else weight("lm_head")
@@ -182,7 +182,7 @@ class KVCache:
 FORMAT = "q4-v1"  # the cached file's layout: bump when quantize() or the names change
 
 
-def _cached_state(model_dir: Path) -> dict[str, torch.Tensor]:
+def _cached_state(model_dir: Path, config) -> dict[str, torch.Tensor]:
     """The quantised weights and norms by name, from the cache (specd/qkernels' cache directory)
     when this checkpoint was quantised before, else quantised now and cached. Read into memory: the
     file is closed afterwards."""
@@ -193,7 +193,7 @@ def _cached_state(model_dir: Path) -> dict[str, torch.Tensor]:
     if path.exists():
         with safe_open(str(path), framework="pt") as cached:
             return {name: cached.get_tensor(name).clone() for name in cached.keys()}
-    state = _quantised_state(model_dir)
+    state = _quantised_state(model_dir, config)
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".partial", delete=False) as partial:
         save_file(state, partial.name)
@@ -201,7 +201,7 @@ def _cached_state(model_dir: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def _quantised_state(model_dir: Path) -> dict[str, torch.Tensor]:
+def _quantised_state(model_dir: Path, config) -> dict[str, torch.Tensor]:
     """Read the checkpoint tensor by tensor and quantise its linears (q/k/v and gate/up fused)."""
     state: dict[str, torch.Tensor] = {}
 
@@ -210,7 +210,6 @@ def _quantised_state(model_dir: Path) -> dict[str, torch.Tensor]:
         if weight.bias is not None:
             state[f"{name}.bias"] = weight.bias
 
-    config = AutoConfig.from_pretrained(model_dir)
     with _Tensors(model_dir) as tensors:
         put("embed", qkernels.quantize(tensors.take("model.embed_tokens.weight")))
         if not config.tie_word_embeddings:

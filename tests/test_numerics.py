@@ -110,7 +110,7 @@ def test_a_sibling_row_is_the_step_that_token_would_take(q4_target):
 def test_a_restart_reads_the_cached_quantised_weights_back_bit_for_bit(tiny_pair):
     first = qwen2.Q4Qwen2(tiny_pair[1])  # quantises, or reads the cache the fixture's engine wrote
     assert list(qkernels.cache_dir().glob(f"{qwen2.FORMAT}-*.safetensors"))
-    state = qwen2._quantised_state(tiny_pair[1])  # what quantising afresh gives
+    state = qwen2._quantised_state(tiny_pair[1], first.config)  # what quantising afresh gives
     second = qwen2.Q4Qwen2(tiny_pair[1])
     for net in (first, second):
         layer = net.layers[1]
