@@ -1,7 +1,8 @@
 """Batch-invariant int4 linears for CPU decoding: our C kernel (specd/csrc/q4.c), built for this CPU.
 
 Weights are held as 4-bit values in blocks of 32 with a float16 scale and offset per block (the
-affine form of GGUF's Q4_K sub-blocks: 5 bits a weight). Activations are quantised per row, per
+affine form of GGUF's Q4_K sub-blocks: 5 bits a weight), in panels of 16 output columns so that
+each column's dot product runs in a vector lane of its own. Activations are quantised per row, per
 block of 32, to int8, so a block's dot product is an exact integer sum; the float sums run in a
 fixed order per row, and threads split output columns, never the reduction. A row's output is
 therefore bit-identical whatever rows share the call: a verification of K + 1 rows equals K + 1
@@ -28,7 +29,8 @@ from pathlib import Path
 
 import torch
 
-BLOCK = 32  # values per quantisation block, along K (which must hold whole pairs of blocks)
+BLOCK = 32  # values per quantisation block, along K
+PANEL = 16  # output columns per panel: one 32-bit lane each
 _SOURCE = Path(__file__).with_name("csrc") / "q4.c"
 _FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 NATIVE = "native"  # -march: this CPU's widest path; "haswell" builds the AVX2 path (tests run both)
@@ -36,16 +38,18 @@ NATIVE = "native"  # -march: this CPU's widest path; "haswell" builds the AVX2 p
 
 @dataclass(frozen=True)
 class Q4Weight:
-    """W [N, K] as 4-bit blocks: w = d * q + m per block of 32 along K."""
+    """W [N, K] as 4-bit blocks: w = d * q + m per block of 32 along K, in panels of 16 rows of W
+    (the last one zero-padded) laid out as the kernel reads them (specd/csrc/q4.c)."""
 
-    packed: torch.Tensor  # [N, K/64, 32] uint8: byte j of a pair holds value j of both blocks (low, high nibble)
-    d: torch.Tensor  # [N, K/32] float16 block scales
-    m: torch.Tensor  # [N, K/32] float16 block offsets
+    packed: torch.Tensor  # [P, K/32, 4, 64] uint8, P = ceil(N / 16)
+    d: torch.Tensor  # [P, K/32, 16] float16 block scales
+    m: torch.Tensor  # [P, K/32, 16] float16 block offsets
     bias: torch.Tensor | None  # [N] float32
+    columns: int  # N
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.packed.shape[0], self.packed.shape[1] * 2 * BLOCK
+        return self.columns, self.packed.shape[1] * BLOCK
 
     @property
     def nbytes(self) -> int:
@@ -54,27 +58,40 @@ class Q4Weight:
 
 
 def quantize(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Q4Weight:
-    """Round W [N, K] (K a multiple of 64) to 4-bit blocks spanning each block's min..max."""
+    """Round W [N, K] (K a multiple of 32) to 4-bit blocks spanning each block's min..max."""
     N, K = weight.shape
-    if K % (2 * BLOCK):
-        raise ValueError(f"q4 needs the input size to be a multiple of {2 * BLOCK}, got {K}")
-    blocks = weight.detach().float().reshape(N, K // BLOCK, BLOCK)  # [N, B, 32]
-    low = blocks.amin(-1)  # [N, B]
-    d = ((blocks.amax(-1) - low) / 15).half()  # [N, B]
+    if K % BLOCK:
+        raise ValueError(f"q4 needs the input size to be a multiple of {BLOCK}, got {K}")
+    padded = -(-N // PANEL) * PANEL
+    blocks = torch.zeros(padded, K // BLOCK, BLOCK)  # [N', B, 32]
+    blocks[:N] = weight.detach().float().reshape(N, K // BLOCK, BLOCK)
+    low = blocks.amin(-1)  # [N', B]
+    d = ((blocks.amax(-1) - low) / 15).half()  # [N', B]
     m = low.half()
     # Round against the float16 scale and offset the kernel will use, so each value lands nearest.
     scale = d.float().clamp_min(torch.finfo(torch.float32).tiny)[..., None]
-    q = ((blocks - m.float()[..., None]) / scale).round_().clamp_(0, 15).to(torch.uint8)  # [N, B, 32]
-    pairs = q.reshape(N, K // (2 * BLOCK), 2, BLOCK)
-    packed = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).contiguous()  # [N, B/2, 32]
-    return Q4Weight(packed, d.contiguous(), m.contiguous(), None if bias is None else bias.detach().float().contiguous())
+    q = ((blocks - m.float()[..., None]) / scale).round_().clamp_(0, 15).to(torch.uint8)  # [N', B, 32]
+    # [P, 16 columns, B, 8 groups of 4] -> [P, B, 4 chunks, 16 columns, 4]: group c low, c + 4 high.
+    groups = q.reshape(padded // PANEL, PANEL, K // BLOCK, 8, 4).permute(0, 2, 3, 1, 4)
+    packed = (groups[:, :, :4] | (groups[:, :, 4:] << 4)).reshape(padded // PANEL, K // BLOCK, 4, 64)
+    bias = None if bias is None else bias.detach().float().contiguous()
+    return Q4Weight(packed.contiguous(), _panels(d), _panels(m), bias, N)
+
+
+def _panels(scales: torch.Tensor) -> torch.Tensor:
+    """[N', B] -> [N'/16, B, 16]: each block's 16 scales of a panel side by side."""
+    return scales.reshape(-1, PANEL, scales.shape[1]).transpose(1, 2).contiguous()
 
 
 def dequantize(weight: Q4Weight, rows: torch.Tensor | None = None) -> torch.Tensor:
     """The float32 W [N, K] the 4-bit blocks stand for, or only its `rows` (an embedding lookup)."""
-    packed, d, m = (weight.packed, weight.d, weight.m) if rows is None else (weight.packed[rows], weight.d[rows], weight.m[rows])
-    q = torch.stack([packed & 15, packed >> 4], -2).reshape(*d.shape, BLOCK).float()  # [n, B, 32]
-    return (q * d.float()[..., None] + m.float()[..., None]).reshape(len(d), -1)
+    rows = torch.arange(weight.columns) if rows is None else rows
+    panel, lane = rows // PANEL, rows % PANEL
+    chunks = weight.packed[panel].view(len(rows), -1, 4, PANEL, 4)  # [n, B, 4, 16, 4]
+    mine = chunks[torch.arange(len(rows)), :, :, lane]  # [n, B, 4, 4]
+    q = torch.cat([mine & 15, mine >> 4], dim=2).reshape(len(rows), -1, BLOCK).float()  # [n, B, 32]
+    d, m = weight.d[panel, :, lane].float(), weight.m[panel, :, lane].float()  # [n, B]
+    return (q * d[..., None] + m[..., None]).reshape(len(rows), -1)
 
 
 @dataclass(frozen=True)
@@ -139,25 +156,76 @@ def linear(x: torch.Tensor, weight: Q4Weight, march: str = NATIVE) -> torch.Tens
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-def attend_rows(query: torch.Tensor, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
-                strides: Sequence[int], seen: Sequence[int], kv_heads: int, scale: float,
-                march: str = NATIVE) -> torch.Tensor:
-    """Each query row (query: [rows, heads, dim]) attends alone to the first seen[r] of its keys and
-    values (keys[r], values[r]: [kv_heads, strides[r], dim] float32, contiguous); [rows, heads, dim]."""
-    rows, heads, dim = query.shape
-    if dim % 8 or heads % kv_heads:
-        raise ValueError(f"attention needs a head size divisible by 8 and whole kv groups, got {dim}, {heads}/{kv_heads}")
-    out = torch.empty(rows, heads, dim)
-    pointers = torch.tensor([[k.data_ptr() for k in keys], [v.data_ptr() for v in values], list(strides), list(seen)],
-                            dtype=torch.int64)  # [4, rows]
-    _library(march).specd_attend_rows(query.contiguous().data_ptr(), *(pointers[i].data_ptr() for i in range(4)),
-                                      rows, heads, kv_heads, dim, scale, out.data_ptr(), torch.get_num_threads())
-    return out
+class _Linear(ctypes.Structure):
+    _fields_ = [("w", ctypes.c_void_p), ("d", ctypes.c_void_p), ("m", ctypes.c_void_p), ("bias", ctypes.c_void_p),
+                ("N", ctypes.c_int64)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("qkv", _Linear), ("o", _Linear),
+                ("gate_up", _Linear), ("down", _Linear)]
+
+
+class _Row(ctypes.Structure):
+    _fields_ = [("keys", ctypes.c_void_p), ("values", ctypes.c_void_p), ("capacity", ctypes.c_int64),
+                ("position", ctypes.c_int64), ("store", ctypes.c_int64)]
+
+
+@dataclass(frozen=True)
+class DecoderLayer:
+    """One Qwen2 decoder layer's weights: norms [hidden] and q4 linears (q/k/v and gate/up fused)."""
+
+    input_norm: torch.Tensor
+    qkv: Q4Weight  # [(heads + 2 kv_heads) * head_dim, hidden], with q/k/v biases
+    o: Q4Weight  # [hidden, heads * head_dim]
+    post_norm: torch.Tensor
+    gate_up: Q4Weight  # [2 * intermediate, hidden]
+    down: Q4Weight  # [hidden, intermediate]
+
+
+@dataclass(frozen=True)
+class RowCache:
+    """Where a row's session keeps its keys and values (each [layers, kv_heads, capacity, dim]
+    float32), the keys before the row (its position), and whether its own go in at that position
+    (a branch row, scored beside the row it replaces, keeps them aside)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    position: int
+    store: bool = True
+
+
+class Decoder:
+    """A Qwen2 model's decoder layers run by one C call per pass (specd_q4_layers)."""
+
+    def __init__(self, layers: Sequence[DecoderLayer], heads: int, kv_heads: int, head_dim: int, eps: float,
+                 march: str = NATIVE):
+        self.layers, self.heads, self.kv_heads, self.head_dim, self.eps = list(layers), heads, kv_heads, head_dim, eps
+        self.hidden, self.intermediate = layers[0].o.shape[0], layers[0].down.shape[1]
+        if head_dim % 8 or heads % kv_heads:
+            raise ValueError(f"q4 attention needs a head size divisible by 8 and whole kv groups, got {head_dim}, {heads}/{kv_heads}")
+        self._library = _library(march)
+        self._structs = (_Layer * len(layers))(*(_Layer(
+            layer.input_norm.data_ptr(), layer.post_norm.data_ptr(),
+            *(_Linear(w.packed.data_ptr(), w.d.data_ptr(), w.m.data_ptr(),
+                      None if w.bias is None else w.bias.data_ptr(), w.columns)
+              for w in (layer.qkv, layer.o, layer.gate_up, layer.down)))
+            for layer in layers))
+
+    def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: Sequence[RowCache]) -> None:
+        """hidden [R, hidden] float32, updated in place by every layer; cos / sin [R, head_dim]."""
+        R = hidden.shape[0]
+        structs = (_Row * R)(*(_Row(r.keys.data_ptr(), r.values.data_ptr(), r.keys.shape[2], r.position, int(r.store))
+                               for r in rows))
+        self._library.specd_q4_layers(self._structs, len(self.layers), hidden.data_ptr(), R, self.hidden,
+                                      self.intermediate, self.heads, self.kv_heads, self.head_dim, self.eps,
+                                      self.head_dim**-0.5, cos.contiguous().data_ptr(), sin.contiguous().data_ptr(),
+                                      structs, torch.get_num_threads())
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
-    if x.dim() != 2 or x.shape[1] % (2 * BLOCK):
-        raise ValueError(f"expected [rows, K] with K a multiple of {2 * BLOCK}, got {tuple(x.shape)}")
+    if x.dim() != 2 or x.shape[1] % BLOCK:
+        raise ValueError(f"expected [rows, K] with K a multiple of {BLOCK}, got {tuple(x.shape)}")
     return x.float().contiguous()
 
 
@@ -210,8 +278,9 @@ def _library(march: str = NATIVE) -> ctypes.CDLL:
     lib.specd_rms_norm_q8.argtypes = [pointer, pointer, ctypes.c_float, size, size, pointer, pointer, pointer,
                                       ctypes.c_int]
     lib.specd_swiglu_q8.argtypes = [pointer, size, size, pointer, pointer, pointer, ctypes.c_int]
-    lib.specd_attend_rows.argtypes = [pointer] * 5 + [size] * 4 + [ctypes.c_float, pointer, ctypes.c_int]
-    for name in ("specd_q8_rows", "specd_rms_norm_q8", "specd_swiglu_q8", "specd_attend_rows"):
+    lib.specd_q4_layers.argtypes = [ctypes.POINTER(_Layer), size, pointer, size, size, size, size, size, size,
+                                    ctypes.c_float, ctypes.c_float, pointer, pointer, ctypes.POINTER(_Row), ctypes.c_int]
+    for name in ("specd_q8_rows", "specd_rms_norm_q8", "specd_swiglu_q8", "specd_q4_layers"):
         getattr(lib, name).restype = None
     lib.specd_q4_matmul.argtypes = [pointer, pointer, pointer, size, size, pointer, pointer, pointer, pointer,
                                     size, pointer, ctypes.c_int]

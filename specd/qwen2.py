@@ -19,7 +19,6 @@ from __future__ import annotations
 import hashlib
 import tempfile
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -29,17 +28,7 @@ from transformers import AutoConfig
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
 
 from specd import qkernels, ragged
-from specd.qkernels import Q4Weight
-
-
-@dataclass(frozen=True)
-class _Layer:
-    input_norm: torch.Tensor  # [hidden]
-    qkv: Q4Weight  # [(heads + 2 kv_heads) * head_dim, hidden], with q/k/v biases
-    o: Q4Weight  # [hidden, heads * head_dim]
-    post_norm: torch.Tensor  # [hidden]
-    gate_up: Q4Weight  # [2 * intermediate, hidden]
-    down: Q4Weight  # [hidden, intermediate]
+from specd.qkernels import DecoderLayer, Q4Weight, RowCache
 
 
 class Q4Qwen2:
@@ -54,7 +43,6 @@ class Q4Qwen2:
         self.config = config
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
-        self.scaling = self.head_dim**-0.5
         self.intermediate = config.intermediate_size
         self.eps = config.rms_norm_eps
         self.rotary = Qwen2RotaryEmbedding(config)
@@ -64,10 +52,11 @@ class Q4Qwen2:
         self.lm_head = self.embed if config.tie_word_embeddings else weight("lm_head")
         self.norm = state["norm"]
         self.layers = [
-            _Layer(state[f"{i}.input_norm"], weight(f"{i}.qkv"), weight(f"{i}.o"), state[f"{i}.post_norm"],
-                   weight(f"{i}.gate_up"), weight(f"{i}.down"))
+            DecoderLayer(state[f"{i}.input_norm"], weight(f"{i}.qkv"), weight(f"{i}.o"), state[f"{i}.post_norm"],
+                         weight(f"{i}.gate_up"), weight(f"{i}.down"))
             for i in range(config.num_hidden_layers)
         ]
+        self.decoder = qkernels.Decoder(self.layers, self.heads, self.kv_heads, self.head_dim, self.eps)
 
     @property
     def nbytes(self) -> int:
@@ -99,56 +88,34 @@ class Q4Qwen2:
         positions += [past + b.at for past, b in zip(pasts, branches) if b]
         hidden = qkernels.dequantize(self.embed, torch.tensor(tokens, dtype=torch.long))  # [rows, hidden]
         cos, sin = self.rotary(hidden[None], torch.tensor(positions)[None])  # each [1, rows, head_dim]
-        rotation = (cos[0, :, None], sin[0, :, None])  # each [rows, 1, head_dim]: broadcast over heads
-        sides = [(branch_rows[i], pasts[i] + b.at) if b else None for i, b in enumerate(branches)]
-        for index, layer in enumerate(self.layers):
-            qkv = qkernels.matmul(self._norm(hidden, layer.input_norm), layer.qkv)  # [rows, (heads + 2 kv) * dim]
-            attended = self._attention(qkv, index, rotation, caches, pasts, bounds, sides)
-            hidden = hidden + qkernels.linear(attended, layer.o)
-            gate_up = qkernels.matmul(self._norm(hidden, layer.post_norm), layer.gate_up)  # [rows, 2 * intermediate]
-            hidden = hidden + qkernels.matmul(qkernels.swiglu_rows(gate_up), layer.down)
+        for cache, past, x in zip(caches, pasts, inputs):
+            cache.reserve(past + len(x))
+        rows = [RowCache(cache.keys, cache.values, past + j) for cache, past, x in zip(caches, pasts, inputs)
+                for j in range(len(x))]
+        rows += [RowCache(caches[i].keys, caches[i].values, pasts[i] + b.at, store=False)
+                 for i, b in enumerate(branches) if b]
+        self.decoder(hidden, cos[0], sin[0], rows)
         kept = [list(range(end - k, end)) + ([branch_rows[i]] if i in branch_rows else [])
                 for i, ((_, end), k) in enumerate(zip(bounds, keep))]
         for cache, past, x in zip(caches, pasts, inputs):
             cache.extend(past + len(x))
-        logits = qkernels.matmul(self._norm(hidden[[r for rows in kept for r in rows]], self.norm), self.lm_head)
+        logits = qkernels.matmul(qkernels.rms_norm_rows(hidden[[r for rows in kept for r in rows]], self.norm, self.eps),
+                                 self.lm_head)
         return list(logits.split([len(rows) for rows in kept]))
-
-    def _norm(self, hidden: torch.Tensor, weight: torch.Tensor) -> qkernels.Q8Rows:
-        return qkernels.rms_norm_rows(hidden, weight, self.eps)
-
-    def _attention(self, qkv, index, rotation, caches, pasts, bounds, sides) -> torch.Tensor:
-        """Rotary on q and k, the new keys and values into each cache; then each row attends alone to
-        the keys up to its own (a branch row to its prefix and itself). qkv: [rows, (heads + 2 kv) * dim]."""
-        rows, heads, kv_heads, dim = qkv.shape[0], self.heads, self.kv_heads, self.head_dim
-        qk = ragged.rotate(qkv[:, : (heads + kv_heads) * dim].view(rows, heads + kv_heads, dim), *rotation)
-        query, key = qk[:, :heads].contiguous(), qk[:, heads:]  # [rows, heads | kv_heads, dim]
-        value = qkv[:, (heads + kv_heads) * dim :].view(rows, kv_heads, dim)
-        keys, values, strides, seen = [None] * rows, [None] * rows, [0] * rows, [0] * rows
-        held = []  # a branch row's keys and values, alive until the kernel has read them
-        for cache, past, (start, end), side in zip(caches, pasts, bounds, sides):
-            layer_keys, layer_values = cache.write(index, past, key[start:end], value[start:end])
-            for row in range(start, end):
-                keys[row], values[row], strides[row] = layer_keys, layer_values, cache.capacity
-                seen[row] = past + row - start + 1
-            if side:
-                row, prefix = side
-                branch_keys = torch.cat([layer_keys[:, :prefix], key[row, :, None]], dim=1)  # [kv_heads, prefix + 1, dim]
-                branch_values = torch.cat([layer_values[:, :prefix], value[row, :, None]], dim=1)
-                held += [branch_keys, branch_values]
-                keys[row], values[row], strides[row], seen[row] = branch_keys, branch_values, prefix + 1, prefix + 1
-        out = qkernels.attend_rows(query, keys, values, strides, seen, kv_heads, self.scaling)  # [rows, heads, dim]
-        return out.reshape(rows, heads * dim)
 
 
 class KVCache:
-    """One sequence's keys and values, per layer [kv_heads, capacity, head_dim] float32, grown by
+    """One sequence's keys and values, each [layers, kv_heads, capacity, head_dim] float32, grown by
     doubling; the first `length` positions are the cache. Rollback is `crop` (bookkeeping only)."""
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, capacity: int = 64):
-        self.capacity, self.length = capacity, 0
-        self.keys = [torch.empty(kv_heads, capacity, head_dim) for _ in range(layers)]
-        self.values = [torch.empty(kv_heads, capacity, head_dim) for _ in range(layers)]
+        self.length = 0
+        self.keys = torch.empty(layers, kv_heads, capacity, head_dim)
+        self.values = torch.empty(layers, kv_heads, capacity, head_dim)
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[2]
 
     def get_seq_length(self) -> int:
         return self.length
@@ -157,29 +124,22 @@ class KVCache:
         """As DynamicCache.crop: keep max_length positions, or drop -max_length when negative."""
         self.length = max(0, self.length + max_length) if max_length < 0 else min(self.length, max_length)
 
-    def write(self, layer: int, past: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Put one layer's new keys and values ([n, kv_heads, dim]) at positions past..; the layer's
-        whole keys and values. `length` moves when the pass is done (`extend`)."""
-        self._reserve(past + key.shape[0])
-        self.keys[layer][:, past : past + key.shape[0]] = key.transpose(0, 1)
-        self.values[layer][:, past : past + key.shape[0]] = value.transpose(0, 1)
-        return self.keys[layer], self.values[layer]
-
     def extend(self, length: int) -> None:
         self.length = length
 
-    def _reserve(self, needed: int) -> None:
+    def reserve(self, needed: int) -> None:
+        """Room for `needed` positions (the forward writes the new ones in place)."""
         if needed <= self.capacity:
             return
         capacity = max(needed, 2 * self.capacity)
-        for tensors in (self.keys, self.values):
-            for i, old in enumerate(tensors):
-                tensors[i] = torch.empty(old.shape[0], capacity, old.shape[2])
-                tensors[i][:, : self.length] = old[:, : self.length]
-        self.capacity = capacity
+        for name in ("keys", "values"):
+            old = getattr(self, name)
+            new = torch.empty(old.shape[0], old.shape[1], capacity, old.shape[3])
+            new[:, :, : self.length] = old[:, :, : self.length]
+            setattr(self, name, new)
 
 
-FORMAT = "q4-v1"  # the cached file's layout: bump when quantize() or the names change
+FORMAT = "q4-v2"  # the cached file's layout: bump when quantize() or the names change
 
 
 def _cached_state(model_dir: Path, config) -> dict[str, torch.Tensor]:
@@ -206,7 +166,8 @@ def _quantised_state(model_dir: Path, config) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
 
     def put(name: str, weight: Q4Weight) -> None:
-        state.update({f"{name}.packed": weight.packed, f"{name}.d": weight.d, f"{name}.m": weight.m})
+        state.update({f"{name}.packed": weight.packed, f"{name}.d": weight.d, f"{name}.m": weight.m,
+                      f"{name}.columns": torch.tensor(weight.columns)})
         if weight.bias is not None:
             state[f"{name}.bias"] = weight.bias
 
@@ -232,7 +193,8 @@ def _quantised_state(model_dir: Path, config) -> dict[str, torch.Tensor]:
 
 
 def _q4_weight(state: dict[str, torch.Tensor], name: str) -> Q4Weight:
-    return Q4Weight(state[f"{name}.packed"], state[f"{name}.d"], state[f"{name}.m"], state.get(f"{name}.bias"))
+    return Q4Weight(state[f"{name}.packed"], state[f"{name}.d"], state[f"{name}.m"], state.get(f"{name}.bias"),
+                    int(state[f"{name}.columns"]))
 
 
 class _Tensors:

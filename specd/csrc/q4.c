@@ -4,16 +4,15 @@
  * offset m (w = d * q + m, the affine form of GGUF's Q4_K sub-blocks). Each activation row is
  * quantised on its own to int8 in blocks of 32 (scale amax / 127, as llama.cpp's Q8 blocks).
  * A block's dot product is then an exact integer sum (VNNI, or maddubs + madd on plain AVX2:
- * |15 * 127 * 2| < 2^15, no saturation), scaled and accumulated in float in block order; the
- * offset term sum_b m_b * d_x,b * sum(q_x,b) is a separate dot product over blocks.
+ * |15 * 127 * 2| < 2^15, no saturation) in one int32 lane per output column, then in float, block
+ * after block: acc += dot * (d_w * d_x) + m_w * d_x * sum(q_x).
  *
  * Why it is batch-invariant: a row's result is computed by the same instructions in the same
  * order whatever other rows are in the call; rows share only the weight loads. Threads split
  * the output columns, never K. So a K+1-row verification equals K+1 one-row steps bit for bit.
  *
- * Layout: blocks go in pairs (K a multiple of 64). A pair is 32 bytes; byte j holds value j of
- * the first block in its low nibble and value j of the second in its high nibble, so one 32-byte
- * load splits into both blocks' 64 values in order.
+ * specd_q4_layers runs a Qwen2 model's decoder layers in one call per pass (no Python between
+ * the steps of a layer: for a 0.5B draft that overhead was as large as the kernels).
  */
 #include <immintrin.h>
 #include <math.h>
@@ -118,225 +117,303 @@ static inline float hsum256(__m256 v)
     return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
 }
 
-/* sum_b m[b] * xs[b] over B blocks (m float16), eight lanes in a fixed order. */
-static inline float offset_dot(const uint16_t *m, const float *xs, int64_t B)
-{
-    __m256 acc = _mm256_setzero_ps();
-    int64_t b = 0;
-    for (; b + 8 <= B; b += 8)
-        acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m + b))), _mm256_loadu_ps(xs + b), acc);
-    float tail = 0.0f;
-    for (; b < B; b++) tail += _cvtsh_ss(m[b]) * xs[b];
-    return hsum256(acc) + tail;
-}
+/* Layout: output columns go in panels of 16 (one 32-bit lane per column); K in blocks of 32.
+ * A panel's block is 4 chunks of 64 bytes; in chunk c, byte 4 * j + i holds column j's value
+ * 4 * c + i of the block in its low nibble and value 4 * (c + 4) + i in its high nibble. The
+ * block's float16 scales and offsets are 16 consecutive values per panel. So one 64-byte load
+ * gives two groups of 4 values for 16 columns, each multiplied by 4 activation bytes broadcast to
+ * every lane: a column's block dot product accumulates in its own lane, exactly, in int32. */
+#define PW 16 /* columns per panel */
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
-#define NC 4 /* output columns that share one activation load */
+#define PANELS 2 /* panels that share one activation broadcast */
+#define RT 4     /* rows that share one weight unpack */
 
-static inline float hsum512(__m512 v)
+static inline __m512i x4(const int8_t *x)
 {
-    return hsum256(_mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1)));
+    int32_t v;
+    memcpy(&v, x, sizeof v);
+    return _mm512_set1_epi32(v);
 }
 
-/* Two consecutive floats p[0], p[1] as [p0 x 8 | p1 x 8]: a block pair's scales, lane by lane. */
-static inline __m512 pair_scales(__m128 two)
+/* ROWS rows x P panels: per block, the exact int32 dot of every (row, column), then
+ * acc += dot * (d_w * d_x) + m_w * s_x in float, block after block: the same steps for a
+ * (row, column) whichever tile computes it. */
+#define TILE(ROWS, P)                                                                                           \
+    static void tile_##ROWS##_##P(const int8_t *xq, const float *xd, const float *xs, int64_t K, int64_t m0,    \
+                                  const uint8_t *w, const uint16_t *wd, const uint16_t *wm, const float *bias,   \
+                                  int64_t N, int64_t p0, float *y)                                             \
+    {                                                                                                          \
+        const int64_t B = K / QK;                                                                              \
+        const __m512i low = _mm512_set1_epi8(0x0F);                                                            \
+        __m512 acc[ROWS][P];                                                                                   \
+        for (int r = 0; r < ROWS; r++)                                                                         \
+            for (int p = 0; p < P; p++) acc[r][p] = _mm512_setzero_ps();                                       \
+        for (int64_t b = 0; b < B; b++) {                                                                      \
+            __m512i dot[ROWS][P];                                                                              \
+            for (int r = 0; r < ROWS; r++)                                                                     \
+                for (int p = 0; p < P; p++) dot[r][p] = _mm512_setzero_si512();                                \
+            for (int c = 0; c < 4; c++) {                                                                      \
+                __m512i lo[P], hi[P];                                                                          \
+                for (int p = 0; p < P; p++) {                                                                  \
+                    const __m512i v = _mm512_loadu_si512((const void *)(w + (((p0 + p) * B + b) * 4 + c) * 64)); \
+                    lo[p] = _mm512_and_si512(v, low);                                                          \
+                    hi[p] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);                                    \
+                }                                                                                              \
+                for (int r = 0; r < ROWS; r++) {                                                               \
+                    const int8_t *x = xq + (m0 + r) * K + b * QK + 4 * c;                                      \
+                    const __m512i xa = x4(x), xb = x4(x + 16);                                                 \
+                    for (int p = 0; p < P; p++)                                                                \
+                        dot[r][p] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(dot[r][p], lo[p], xa), hi[p], xb); \
+                }                                                                                              \
+            }                                                                                                  \
+            for (int p = 0; p < P; p++) {                                                                      \
+                const int64_t s = ((p0 + p) * B + b) * PW;                                                     \
+                const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wd + s)));              \
+                const __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wm + s)));              \
+                for (int r = 0; r < ROWS; r++) {                                                               \
+                    const int64_t row = (m0 + r) * B + b;                                                      \
+                    acc[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][p]),                                 \
+                                                _mm512_mul_ps(dw, _mm512_set1_ps(xd[row])), acc[r][p]);        \
+                    acc[r][p] = _mm512_fmadd_ps(mw, _mm512_set1_ps(xs[row]), acc[r][p]);                       \
+                }                                                                                              \
+            }                                                                                                  \
+        }                                                                                                      \
+        for (int r = 0; r < ROWS; r++)                                                                         \
+            for (int p = 0; p < P; p++) {                                                                      \
+                const int64_t n = (p0 + p) * PW;                                                               \
+                const __mmask16 keep = N - n >= PW ? 0xFFFF : (1u << (N - n)) - 1;                             \
+                __m512 v = acc[r][p];                                                                          \
+                if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(keep, bias + n));                         \
+                _mm512_mask_storeu_ps(y + (m0 + r) * N + n, keep, v);                                          \
+            }                                                                                                  \
+    }
+TILE(1, 1) TILE(2, 1) TILE(3, 1) TILE(4, 1)
+TILE(1, 2) TILE(2, 2) TILE(3, 2) TILE(4, 2)
+
+/* P panels from p0, every row, RT rows at a time. */
+static void panels(const int8_t *xq, const float *xd, const float *xs, int64_t M, int64_t K, const uint8_t *w,
+                   const uint16_t *wd, const uint16_t *wm, const float *bias, int64_t N, int64_t p0, int P, float *y)
 {
-    const __m512i spread = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-    return _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(two));
+    for (int64_t m0 = 0; m0 < M; m0 += RT) {
+        const int64_t rows = M - m0 < RT ? M - m0 : RT;
+#define CALL(R) (P == 2 ? tile_##R##_2 : tile_##R##_1)(xq, xd, xs, K, m0, w, wd, wm, bias, N, p0, y)
+        switch (rows) {
+        case 1: CALL(1); break;
+        case 2: CALL(2); break;
+        case 3: CALL(3); break;
+        default: CALL(4); break;
+        }
+#undef CALL
+    }
 }
 
-static inline __m512 half_pair(const uint16_t *h)
+#else
+#define PANELS 1
+#define RT 4
+
+static inline __m256i x4(const int8_t *x)
 {
-    int32_t bits;
-    memcpy(&bits, h, sizeof bits);
-    return pair_scales(_mm_cvtph_ps(_mm_cvtsi32_si128(bits)));
+    int32_t v;
+    memcpy(&v, x, sizeof v);
+    return _mm256_set1_epi32(v);
 }
 
-static inline __m512i unpack_pair(const uint8_t *w)
+/* 8 int32 lanes: lane j gets the dot of w's 4 unsigned bytes j with x's 4 signed bytes, added to acc. */
+static inline __m256i dot4(__m256i acc, __m256i w, __m256i x)
 {
-    const __m256i low = _mm256_set1_epi8(0x0F);
-    const __m256i v = _mm256_loadu_si256((const __m256i *)w);
-    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, low)),
-                              _mm256_and_si256(_mm256_srli_epi16(v, 4), low), 1);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(acc, w, x);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(acc, w, x);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
+#endif
 }
 
-/* One step of one (row, column): the block pair's exact integer dot, scaled, accumulated. Every
- * output element takes exactly these steps in block order, whichever tile computes it. */
-static inline __m512 step(__m512 acc, __m512i w, __m512 d, __m512i x, __m512 e)
-{
-    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w, x)), _mm512_mul_ps(d, e), acc);
-}
-
-/* ROWS rows x NC columns (n0 ..), ROWS fixed at compile time so the accumulators stay in registers. */
+/* ROWS rows x one half panel (8 columns): the same steps as the AVX-512 tiles, 8 lanes at a time. */
 #define TILE(ROWS)                                                                                              \
     static void tile_##ROWS(const int8_t *xq, const float *xd, const float *xs, int64_t K, int64_t m0,          \
                             const uint8_t *w, const uint16_t *wd, const uint16_t *wm, const float *bias,       \
-                            int64_t N, int64_t n0, float *y)                                                   \
+                            int64_t N, int64_t p, int half, float *y)                                          \
     {                                                                                                          \
         const int64_t B = K / QK;                                                                              \
-        __m512 acc[NC][ROWS];                                                                                  \
-        for (int c = 0; c < NC; c++)                                                                           \
-            for (int r = 0; r < ROWS; r++) acc[c][r] = _mm512_setzero_ps();                                    \
-        for (int64_t b = 0; b < B; b += 2) {                                                                   \
-            __m512i wv[NC];                                                                                    \
-            __m512 dv[NC];                                                                                     \
-            for (int c = 0; c < NC; c++) {                                                                     \
-                wv[c] = unpack_pair(w + ((n0 + c) * B + b) * (QK / 2));                                        \
-                dv[c] = half_pair(wd + (n0 + c) * B + b);                                                      \
+        const __m256i low = _mm256_set1_epi8(0x0F);                                                            \
+        __m256 acc[ROWS];                                                                                      \
+        for (int r = 0; r < ROWS; r++) acc[r] = _mm256_setzero_ps();                                           \
+        for (int64_t b = 0; b < B; b++) {                                                                      \
+            __m256i dot[ROWS];                                                                                 \
+            for (int r = 0; r < ROWS; r++) dot[r] = _mm256_setzero_si256();                                    \
+            for (int c = 0; c < 4; c++) {                                                                      \
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(w + ((p * B + b) * 4 + c) * 64 + 32 * half)); \
+                const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low); \
+                for (int r = 0; r < ROWS; r++) {                                                               \
+                    const int8_t *x = xq + (m0 + r) * K + b * QK + 4 * c;                                      \
+                    dot[r] = dot4(dot4(dot[r], lo, x4(x)), hi, x4(x + 16));                                    \
+                }                                                                                              \
             }                                                                                                  \
+            const int64_t s = (p * B + b) * PW + 8 * half;                                                     \
+            const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wd + s)));                     \
+            const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wm + s)));                     \
             for (int r = 0; r < ROWS; r++) {                                                                   \
-                const int64_t row = m0 + r;                                                                    \
-                const __m512i xv = _mm512_loadu_si512((const void *)(xq + row * K + b * QK));                 \
-                const __m512 e = pair_scales(_mm_castpd_ps(_mm_load_sd((const double *)(xd + row * B + b)))); \
-                for (int c = 0; c < NC; c++) acc[c][r] = step(acc[c][r], wv[c], dv[c], xv, e);                \
+                const int64_t row = (m0 + r) * B + b;                                                          \
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), _mm256_mul_ps(dw, _mm256_set1_ps(xd[row])), acc[r]); \
+                acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(xs[row]), acc[r]);                                 \
             }                                                                                                  \
         }                                                                                                      \
-        for (int c = 0; c < NC; c++)                                                                           \
-            for (int r = 0; r < ROWS; r++) {                                                                   \
-                const int64_t n = n0 + c;                                                                      \
-                const float v = hsum512(acc[c][r]) + offset_dot(wm + n * B, xs + (m0 + r) * B, B);             \
-                y[(m0 + r) * N + n] = bias ? v + bias[n] : v;                                                  \
-            }                                                                                                  \
+        for (int r = 0; r < ROWS; r++) {                                                                       \
+            const int64_t n = p * PW + 8 * half;                                                               \
+            float out[8];                                                                                      \
+            _mm256_storeu_ps(out, acc[r]);                                                                     \
+            for (int i = 0; i < 8 && n + i < N; i++) y[(m0 + r) * N + n + i] = bias ? out[i] + bias[n + i] : out[i]; \
+        }                                                                                                      \
     }
-TILE(1)
-TILE(2)
-TILE(3)
-TILE(4)
-#define RT 4
+TILE(1) TILE(2) TILE(3) TILE(4)
 
-/* The columns past the last whole group of NC, one at a time, with the same steps. */
-static void single(const int8_t *xq, const float *xd, const float *xs, int64_t M, int64_t K, const uint8_t *w,
-                   const uint16_t *wd, const uint16_t *wm, const float *bias, int64_t N, int64_t n, float *y)
+static void panels(const int8_t *xq, const float *xd, const float *xs, int64_t M, int64_t K, const uint8_t *w,
+                   const uint16_t *wd, const uint16_t *wm, const float *bias, int64_t N, int64_t p, int P, float *y)
 {
-    const int64_t B = K / QK;
-    for (int64_t row = 0; row < M; row++) {
-        __m512 acc = _mm512_setzero_ps();
-        for (int64_t b = 0; b < B; b += 2) {
-            const __m512i xv = _mm512_loadu_si512((const void *)(xq + row * K + b * QK));
-            const __m512 e = pair_scales(_mm_castpd_ps(_mm_load_sd((const double *)(xd + row * B + b))));
-            acc = step(acc, unpack_pair(w + (n * B + b) * (QK / 2)), half_pair(wd + n * B + b), xv, e);
+    (void)P;
+    for (int half = 0; half < 2; half++)
+        for (int64_t m0 = 0; m0 < M; m0 += RT) {
+            switch (M - m0 < RT ? M - m0 : RT) {
+            case 1: tile_1(xq, xd, xs, K, m0, w, wd, wm, bias, N, p, half, y); break;
+            case 2: tile_2(xq, xd, xs, K, m0, w, wd, wm, bias, N, p, half, y); break;
+            case 3: tile_3(xq, xd, xs, K, m0, w, wd, wm, bias, N, p, half, y); break;
+            default: tile_4(xq, xd, xs, K, m0, w, wd, wm, bias, N, p, half, y); break;
+            }
         }
-        const float v = hsum512(acc) + offset_dot(wm + n * B, xs + row * B, B);
-        y[row * N + n] = bias ? v + bias[n] : v;
-    }
 }
-
-static void group(const int8_t *xq, const float *xd, const float *xs, int64_t M, int64_t K, const uint8_t *w,
-                  const uint16_t *wd, const uint16_t *wm, const float *bias, int64_t N, int64_t n0, float *y)
-{
-    for (int64_t m0 = 0; m0 < M; m0 += RT) {
-        switch (M - m0 < RT ? M - m0 : RT) {
-        case 1: tile_1(xq, xd, xs, K, m0, w, wd, wm, bias, N, n0, y); break;
-        case 2: tile_2(xq, xd, xs, K, m0, w, wd, wm, bias, N, n0, y); break;
-        case 3: tile_3(xq, xd, xs, K, m0, w, wd, wm, bias, N, n0, y); break;
-        default: tile_4(xq, xd, xs, K, m0, w, wd, wm, bias, N, n0, y); break;
-        }
-    }
-}
-
-#else
-#define NC 1
-
-/* 8 int32 lanes whose sum is the exact dot product of 32 unsigned w and 32 signed x. */
-static inline __m256i dot(__m256i w, __m256i x)
-{
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x);
-#elif defined(__AVXVNNI__)
-    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w, x);
-#else
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
-#endif
-}
-
-static inline __m256 step(__m256 acc, __m256i w, float d, const int8_t *x, float e)
-{
-    const __m256i isum = dot(w, _mm256_loadu_si256((const __m256i *)x));
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(_mm256_set1_ps(d), _mm256_set1_ps(e)), acc);
-}
-
-/* One output column, every row: two blocks per step, 256-bit lanes. */
-static void group(const int8_t *xq, const float *xd, const float *xs, int64_t M, int64_t K, const uint8_t *w,
-                  const uint16_t *wd, const uint16_t *wm, const float *bias, int64_t N, int64_t n, float *y)
-{
-    const int64_t B = K / QK;
-    const __m256i low = _mm256_set1_epi8(0x0F);
-    const uint8_t *wn = w + n * B * (QK / 2);
-    for (int64_t row = 0; row < M; row++) {
-        __m256 acc = _mm256_setzero_ps();
-        for (int64_t b = 0; b < B; b += 2) {
-            const __m256i v = _mm256_loadu_si256((const __m256i *)(wn + b * (QK / 2)));
-            const int8_t *x = xq + row * K + b * QK;
-            acc = step(acc, _mm256_and_si256(v, low), _cvtsh_ss(wd[n * B + b]), x, xd[row * B + b]);
-            acc = step(acc, _mm256_and_si256(_mm256_srli_epi16(v, 4), low), _cvtsh_ss(wd[n * B + b + 1]), x + QK,
-                       xd[row * B + b + 1]);
-        }
-        const float v = hsum256(acc) + offset_dot(wm + n * B, xs + row * B, B);
-        y[row * N + n] = bias ? v + bias[n] : v;
-    }
-}
-#define single group
 
 #endif
 
-/* y [M, N] = x @ W.T (+ bias) from the quantised rows of x (specd_q8_rows) and W as
- * w [N, K/64, 32] packed block pairs, wd / wm [N, K/32] float16 block scales and offsets. */
+/* y [M, N] = x @ W.T (+ bias) from the quantised rows of x (specd_q8_rows) and W as w [P, K/32, 4,
+ * 64] packed panels, wd / wm [P, K/32, 16] float16 block scales and offsets and bias [N], with
+ * P = ceil(N / 16) (the last panel zero-padded). Threads split the panels, never K. */
 void specd_q4_matmul(const int8_t *xq, const float *xd, const float *xs, int64_t M, int64_t K,
                      const uint8_t *w, const uint16_t *wd, const uint16_t *wm, const float *bias, int64_t N,
                      float *y, int threads)
 {
-    const int64_t groups = N / NC;
+    const int64_t P = (N + PW - 1) / PW, groups = P / PANELS;
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t g = 0; g < groups; g++) group(xq, xd, xs, M, K, w, wd, wm, bias, N, g * NC, y);
-    for (int64_t n = groups * NC; n < N; n++) single(xq, xd, xs, M, K, w, wd, wm, bias, N, n, y);
+    for (int64_t g = 0; g < groups; g++) panels(xq, xd, xs, M, K, w, wd, wm, bias, N, g * PANELS, PANELS, y);
+    for (int64_t p = groups * PANELS; p < P; p++) panels(xq, xd, xs, M, K, w, wd, wm, bias, N, p, 1, y);
 }
 
-/* Attention of R query rows, each on its own: row r's head h attends to the first len[r] keys and
- * values at kbase[r] / vbase[r] (laid out [kv_heads, stride[r], dim]), with kv head h / (heads /
- * kv_heads). q and out: [R, heads, dim]. Each (row, head) is computed alone in a fixed order, so a
- * row's result does not depend on the other rows (threads split the (row, head) pairs). */
-void specd_attend_rows(const float *q, const int64_t *kbase, const int64_t *vbase, const int64_t *stride,
-                       const int64_t *len, int64_t R, int64_t heads, int64_t kv_heads, int64_t dim, float scale,
-                       float *out, int threads)
+/* One query head against n cached keys and values ([n, dim] each) and then its own key and value,
+ * in that order: exactly the keys a one-row step at this position sees. */
+static void attend(const float *q, const float *k, const float *v, int64_t n, const float *own_k,
+                   const float *own_v, int64_t dim, float scale, float *p, float *out)
 {
+    float top = -INFINITY;
+    for (int64_t j = 0; j <= n; j++) {
+        const float *key = j < n ? k + j * dim : own_k;
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t i = 0; i < dim; i += 8)
+            acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(key + i), acc);
+        p[j] = hsum256(acc) * scale;
+        top = fmaxf(top, p[j]);
+    }
+    const int64_t L = n + 1;
+    float total = 0.0f;
+    int64_t j = 0;
+    for (; j + 8 <= L; j += 8)
+        _mm256_storeu_ps(p + j, exp8(_mm256_sub_ps(_mm256_loadu_ps(p + j), _mm256_set1_ps(top))));
+    for (; j < L; j++) p[j] = expf(p[j] - top);
+    for (j = 0; j < L; j++) total += p[j];
+    for (int64_t i = 0; i < dim; i += 8) {
+        __m256 acc = _mm256_setzero_ps();
+        for (j = 0; j < L; j++)
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps((j < n ? v + j * dim : own_v) + i), acc);
+        _mm256_storeu_ps(out + i, _mm256_div_ps(acc, _mm256_set1_ps(total)));
+    }
+}
+
+/* A quantised linear as the layer forward passes it (the layout of specd_q4_matmul). */
+typedef struct {
+    const uint8_t *w;
+    const uint16_t *d, *m;
+    const float *bias;
+    int64_t N;
+} q4_linear;
+
+typedef struct {
+    const float *input_norm, *post_norm;
+    q4_linear qkv, o, gate_up, down;
+} q4_layer;
+
+/* Where each row's session keeps its keys and values: [layers, kv_heads, capacity, dim] float32. */
+typedef struct {
+    float *keys, *values;
+    int64_t capacity;
+    int64_t position; /* keys before this row: its rotary position */
+    int64_t store;    /* 1: its key and value go into the cache at `position`; 0: a branch row's stay aside */
+} q4_row;
+
+/* x = x * cos + rotate_half(x) * sin over one head (as transformers' apply_rotary_pos_emb). */
+static void rotate(float *x, const float *cos, const float *sin, int64_t dim)
+{
+    const int64_t half = dim / 2;
+    for (int64_t i = 0; i < half; i++) {
+        const float a = x[i], b = x[i + half];
+        x[i] = a * cos[i] + -b * sin[i];
+        x[i + half] = b * cos[i + half] + a * sin[i + half];
+    }
+}
+
+/* Qwen2's decoder layers over R rows, hidden [R, H] updated in place: per layer RMS norm, fused
+ * q/k/v (with biases), rotary, the new keys and values into each row's cache, per-row attention to
+ * the keys before the row and its own, o projection, residual, RMS norm, fused gate/up, SwiGLU,
+ * down projection, residual. Every step treats a row on its own (see specd_q4_matmul), so a row's
+ * result does not depend on the rows beside it. cos / sin: [R, dim]. */
+void specd_q4_layers(const q4_layer *layers, int64_t n_layers, float *hidden, int64_t R, int64_t H, int64_t I,
+                     int64_t heads, int64_t kv_heads, int64_t dim, float eps, float scale, const float *cos,
+                     const float *sin, const q4_row *rows, int threads)
+{
+    const int64_t Q = heads * dim, N_qkv = (heads + 2 * kv_heads) * dim, widest = I > H ? (I > Q ? I : Q) : (H > Q ? H : Q);
+    int8_t *xq = malloc(R * widest);
+    float *xd = malloc(sizeof(float) * R * (widest / QK)), *xs = malloc(sizeof(float) * R * (widest / QK));
+    float *qkv = malloc(sizeof(float) * R * N_qkv), *att = malloc(sizeof(float) * R * Q);
+    float *gate_up = malloc(sizeof(float) * R * 2 * I), *y = malloc(sizeof(float) * R * H);
+    int64_t longest = 0;
+    for (int64_t r = 0; r < R; r++) longest = rows[r].position + 1 > longest ? rows[r].position + 1 : longest;
     const int64_t group = heads / kv_heads;
-#pragma omp parallel num_threads(threads)
-    {
-        float *p = 0;
-        int64_t capacity = 0;
-#pragma omp for schedule(static)
-        for (int64_t rh = 0; rh < R * heads; rh++) {
-            const int64_t r = rh / heads, h = rh % heads, L = len[r];
-            const float *qh = q + rh * dim;
-            const float *k = (const float *)kbase[r] + (h / group) * stride[r] * dim;
-            const float *v = (const float *)vbase[r] + (h / group) * stride[r] * dim;
-            if (L > capacity) {
-                free(p);
-                capacity = L;
-                p = (float *)malloc(sizeof(float) * capacity);
-            }
-            float top = -INFINITY;
-            for (int64_t j = 0; j < L; j++) {
-                __m256 acc = _mm256_setzero_ps();
-                for (int64_t i = 0; i < dim; i += 8)
-                    acc = _mm256_fmadd_ps(_mm256_loadu_ps(qh + i), _mm256_loadu_ps(k + j * dim + i), acc);
-                p[j] = hsum256(acc) * scale;
-                top = fmaxf(top, p[j]);
-            }
-            float total = 0.0f;
-            int64_t j = 0;
-            for (; j + 8 <= L; j += 8)
-                _mm256_storeu_ps(p + j, exp8(_mm256_sub_ps(_mm256_loadu_ps(p + j), _mm256_set1_ps(top))));
-            for (; j < L; j++) p[j] = expf(p[j] - top);
-            for (j = 0; j < L; j++) total += p[j];
-            float *o = out + rh * dim;
-            for (int64_t i = 0; i < dim; i += 8) {
-                __m256 acc = _mm256_setzero_ps();
-                for (int64_t j = 0; j < L; j++)
-                    acc = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(v + j * dim + i), acc);
-                _mm256_storeu_ps(o + i, _mm256_div_ps(acc, _mm256_set1_ps(total)));
+    for (int64_t l = 0; l < n_layers; l++) {
+        const q4_layer *L = layers + l;
+        specd_rms_norm_q8(hidden, L->input_norm, eps, R, H, xq, xd, xs, threads);
+        specd_q4_matmul(xq, xd, xs, R, H, L->qkv.w, L->qkv.d, L->qkv.m, L->qkv.bias, N_qkv, qkv, threads);
+        for (int64_t r = 0; r < R; r++) {
+            const q4_row *row = rows + r;
+            for (int64_t h = 0; h < heads + kv_heads; h++) rotate(qkv + r * N_qkv + h * dim, cos + r * dim, sin + r * dim, dim);
+            if (!row->store) continue;
+            for (int64_t h = 0; h < kv_heads; h++) {
+                const int64_t at = ((l * kv_heads + h) * row->capacity + row->position) * dim;
+                memcpy(row->keys + at, qkv + r * N_qkv + Q + h * dim, sizeof(float) * dim);
+                memcpy(row->values + at, qkv + r * N_qkv + Q + (kv_heads + h) * dim, sizeof(float) * dim);
             }
         }
-        free(p);
+#pragma omp parallel num_threads(threads)
+        {
+            float *p = malloc(sizeof(float) * (longest + 8));
+#pragma omp for schedule(static)
+            for (int64_t rh = 0; rh < R * heads; rh++) {
+                const int64_t r = rh / heads, h = rh % heads, kvh = h / group;
+                const q4_row *row = rows + r;
+                const int64_t base = (l * kv_heads + kvh) * row->capacity * dim;
+                const float *own = qkv + r * N_qkv + Q;
+                attend(qkv + r * N_qkv + h * dim, row->keys + base, row->values + base, row->position,
+                       own + kvh * dim, own + (kv_heads + kvh) * dim, dim, scale, p, att + rh * dim);
+            }
+            free(p);
+        }
+        specd_q8_rows(att, R, Q, xq, xd, xs, threads);
+        specd_q4_matmul(xq, xd, xs, R, Q, L->o.w, L->o.d, L->o.m, L->o.bias, H, y, threads);
+        for (int64_t i = 0; i < R * H; i++) hidden[i] += y[i];
+        specd_rms_norm_q8(hidden, L->post_norm, eps, R, H, xq, xd, xs, threads);
+        specd_q4_matmul(xq, xd, xs, R, H, L->gate_up.w, L->gate_up.d, L->gate_up.m, L->gate_up.bias, 2 * I, gate_up, threads);
+        specd_swiglu_q8(gate_up, R, I, xq, xd, xs, threads);
+        specd_q4_matmul(xq, xd, xs, R, I, L->down.w, L->down.d, L->down.m, L->down.bias, H, y, threads);
+        for (int64_t i = 0; i < R * H; i++) hidden[i] += y[i];
     }
+    free(xq), free(xd), free(xs), free(qkv), free(att), free(gate_up), free(y);
 }
