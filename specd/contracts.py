@@ -163,6 +163,7 @@ class EngineInfo:
     quantize: str  # its setting: one of those, or auto
     invariant: bool  # passed the batch-invariance self-check on its host
     reason: str  # why this mode
+    row_blocks: tuple[int, ...] = ()  # row counts its passes run at (fewer rows padded up); (): as fed
 
 
 class StaleSession(Exception):

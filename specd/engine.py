@@ -250,6 +250,11 @@ class ModelEngine:
             session.tokens.extend(extra)
         return [rows.float().cpu() for rows in logits]  # each [len(extra) + 1 (+ 1 with a sibling), vocab]
 
+    @property
+    def row_blocks(self) -> tuple[int, ...]:
+        """Row counts a pass runs at, fewer rows padded up (the small-row path's blocks); (): as fed."""
+        return kernels.row_blocks(kernels.SMALL_ROWS) if self._pads_rows else ()
+
     def spare_rows(self, requests: Sequence[tuple[str, Sequence[int]]]) -> int:
         """Sibling rows a `forward_many(requests)` pass could add at about no cost: the small-row
         path runs blocks of rows (`kernels.free_rows`), so rows up to the block are paid for anyway.

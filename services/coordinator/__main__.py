@@ -7,7 +7,7 @@ import asyncio
 import logging
 from pathlib import Path
 
-from specd import audit, kernels
+from specd import audit
 from specd.loop import Services
 from specd.policy import PIPELINE_MODES, PolicyConfig
 from services.common import settings
@@ -37,14 +37,14 @@ def pipeline_mode(value: str) -> str:
 
 
 def row_blocks(value: str) -> str | tuple[int, ...]:
-    """cpu (resolved against --max-k), none, or ascending row counts like 1,2,4,8,16."""
-    if value in ("cpu", "none"):
+    """target (asked at start-up), none, or ascending row counts like 1,2,4,8,16."""
+    if value in ("target", "none"):
         return value
     try:
         blocks = tuple(int(rows) for rows in value.split(","))
         PolicyConfig(row_blocks=blocks).validate()  # ascending, positive
     except ValueError:
-        raise argparse.ArgumentTypeError(f"row blocks must be cpu, none or ascending row counts like 1,2,4,8; got {value!r}")
+        raise argparse.ArgumentTypeError(f"row blocks must be target, none or ascending row counts like 1,2,4,8; got {value!r}")
     return blocks
 
 
@@ -77,9 +77,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     settings.add(parser, "--max-k", type=int, default=Limits.max_k, help="largest K a request may ask for")
     settings.add(parser, "--pipeline", type=pipeline_mode, default="off",
                  help="draft ahead while the target verifies: off, on, or auto (the cost model decides per session)")
-    settings.add(parser, "--verify-row-blocks", type=row_blocks, default="cpu",
+    settings.add(parser, "--verify-row-blocks", type=row_blocks, default="target",
                  help="row counts the target pads a verification's K + 1 rows to, so K of one block cost the same: "
-                      "cpu (the CPU small-row kernels), none (a target that does not pad), or a list like 1,2,4,8,16")
+                      "target (what the target reports at start-up), none (as fed), or a list like 1,2,4,8,16")
     settings.add(parser, "--draft-confidence", type=confidence, default=Limits.min_confidence,
                  help="adaptive K: the draft stops after a token it gave a probability below this (0: off)")
     settings.add(parser, "--siblings", default="on", choices=("on", "off"),
@@ -107,9 +107,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def _row_blocks(args: argparse.Namespace) -> tuple[int, ...]:
-    if args.verify_row_blocks == "cpu":
-        return kernels.row_blocks(args.max_k + 1)
+def _row_blocks(args: argparse.Namespace) -> tuple[int, ...] | None:
+    """None: the frontend asks the target at start-up."""
+    if args.verify_row_blocks == "target":
+        return None
     return () if args.verify_row_blocks == "none" else args.verify_row_blocks
 
 
@@ -131,9 +132,9 @@ async def serve(args: argparse.Namespace) -> None:
     keys = ApiKeys.from_file(args.api_keys_file) if args.api_keys_file else ApiKeys.open()
     if not keys.required:
         log.warning("no --api-keys-file: the coordinator's APIs are open to anyone who can reach them")
-    calibrating = asyncio.create_task(_calibrate(frontend)) if args.calibrate == "on" else None
+    starting = asyncio.create_task(_start_up(frontend, args.calibrate == "on"))
     server, port = await start_server(
-        register(CoordinatorServicer(frontend, keys)), f"{args.host}:{args.port}", warm_up=calibrating
+        register(CoordinatorServicer(frontend, keys)), f"{args.host}:{args.port}", warm_up=starting
     )
     log.info("coordinator on %s:%d (draft %s, target %s)", args.host, port, args.draft_addr, args.target_addr)
     http = None
@@ -145,8 +146,7 @@ async def serve(args: argparse.Namespace) -> None:
     try:
         await run_until_signalled(server)
     finally:
-        if calibrating:
-            calibrating.cancel()
+        starting.cancel()
         await frontend.auditor.close()
         if http:
             await http.stop()
@@ -155,11 +155,16 @@ async def serve(args: argparse.Namespace) -> None:
         )
 
 
-async def _calibrate(frontend: Frontend) -> None:
-    """Start-up calibration, retried while the model services come up (compose and k8s start them
-    in any order); giving up costs only the exploration it would have saved."""
+async def _start_up(frontend: Frontend, calibrate: bool) -> None:
+    """The target's row blocks, then start-up calibration, retried while the model services come
+    up (compose and k8s start them in any order); giving up costs only the exploration it would
+    have saved (and prices K as fed)."""
     for attempt in range(CALIBRATION_ATTEMPTS):
         try:
+            blocks = await frontend.learn_row_blocks()
+            log.info("the target runs verifications at %s", f"row blocks {blocks}" if blocks else "the rows fed")
+            if not calibrate:
+                return
             prior = await frontend.seed_prior()
         except Exception as error:  # any failure: a service not up yet, Redis away
             log.info("start-up calibration: %s (attempt %d of %d)", error, attempt + 1, CALIBRATION_ATTEMPTS)

@@ -27,7 +27,7 @@ class Limits:
     max_stop_strings: int = 8
     max_stop_chars: int = 128
     pipeline: str = "off"  # draft ahead while the target verifies: off | on | auto (specd.policy)
-    row_blocks: tuple[int, ...] = ()  # row counts the target pads verifications to (specd.policy)
+    row_blocks: tuple[int, ...] | None = ()  # row counts the target pads verifications to (specd.policy); None: ask it
     min_confidence: float = 0.4  # adaptive K's confidence stop (specd.policy), as transformers' default
     siblings: bool = True  # greedy rounds send the draft's runner-up for the target's spare rows
 
@@ -91,7 +91,7 @@ def generation_request(req: ClientRequest, model: ModelInfo, limits: Limits) -> 
 def policy_config(limits: Limits, max_k: int) -> PolicyConfig:
     """The policy of a request that may draft up to max_k (at most the server's)."""
     return PolicyConfig(
-        max_k=max_k, default_k=min(limits.default_k, max_k), pipeline=limits.pipeline, row_blocks=limits.row_blocks,
+        max_k=max_k, default_k=min(limits.default_k, max_k), pipeline=limits.pipeline, row_blocks=limits.row_blocks or (),
         min_confidence=limits.min_confidence, siblings=limits.siblings,
     )
 

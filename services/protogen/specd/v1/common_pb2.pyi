@@ -57,15 +57,17 @@ class EngineInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineInfo(_message.Message):
-    __slots__ = ("instance_id", "numerics", "quantize", "invariant", "reason")
+    __slots__ = ("instance_id", "numerics", "quantize", "invariant", "reason", "row_blocks")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     NUMERICS_FIELD_NUMBER: _ClassVar[int]
     QUANTIZE_FIELD_NUMBER: _ClassVar[int]
     INVARIANT_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    ROW_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     numerics: str
     quantize: str
     invariant: bool
     reason: str
-    def __init__(self, instance_id: _Optional[str] = ..., numerics: _Optional[str] = ..., quantize: _Optional[str] = ..., invariant: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+    row_blocks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, instance_id: _Optional[str] = ..., numerics: _Optional[str] = ..., quantize: _Optional[str] = ..., invariant: _Optional[bool] = ..., reason: _Optional[str] = ..., row_blocks: _Optional[_Iterable[int]] = ...) -> None: ...
