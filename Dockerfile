@@ -22,6 +22,9 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     SPECD_HOST=0.0.0.0
 
 WORKDIR /app
+# A C compiler: the q4 engine builds its kernel for the CPU it runs on at first use (specd/qkernels.py).
+# hadolint ignore=DL3008
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*
 # torch first, from the index that matches the hardware; then this project (DL3013 would have
 # a version pin on ".", which is the source tree itself; its dependencies are pinned in pyproject).
 RUN pip install --no-cache-dir --index-url "${TORCH_INDEX}" torch==2.13.0

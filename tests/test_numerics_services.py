@@ -177,8 +177,8 @@ def test_specd_up_passes_each_roles_quantize_with_the_defaults_in_one_place(monk
     assert model_main.parse("target", 1, ["--model-dir", "m"]).quantize == settings.SERVICE_QUANTIZE == "none"
     commands = up_commands(monkeypatch)
     assert {role: value(commands[role], "--quantize") for role in ("draft", "target")} == settings.LAUNCH_QUANTIZE
-    assert settings.LAUNCH_QUANTIZE == {"draft": "int8", "target": "none"}
-    commands = up_commands(monkeypatch, "--target-quantize", "q4", "--draft-quantize", "auto")
-    assert (value(commands["target"], "--quantize"), value(commands["draft"], "--quantize")) == ("q4", "auto")
-    monkeypatch.setenv("SPECD_TARGET_QUANTIZE", "auto")
-    assert value(up_commands(monkeypatch)["target"], "--quantize") == "auto"
+    assert settings.LAUNCH_QUANTIZE == {"draft": "auto", "target": "auto"}
+    commands = up_commands(monkeypatch, "--target-quantize", "none", "--draft-quantize", "int8")
+    assert (value(commands["target"], "--quantize"), value(commands["draft"], "--quantize")) == ("none", "int8")
+    monkeypatch.setenv("SPECD_TARGET_QUANTIZE", "none")
+    assert value(up_commands(monkeypatch)["target"], "--quantize") == "none"

@@ -1,5 +1,6 @@
-"""End to end on the real Qwen2.5-Coder pair: `specd up` (three processes, real gRPC on
-loopback) must produce exactly the tokens HF `generate` gives with the target alone.
+"""End to end on the real Qwen2.5-Coder pair: `specd up` with a float32 target (three processes,
+real gRPC on loopback) must produce exactly the tokens HF `generate` gives with the target alone.
+(specd up's default numerics, q4: tests/test_real_q4.py.)
 
 Needs the converted pair (`specd models fetch`; scripts/test runs it first). A missing pair
 is a failure, not a skip: this is the test that keeps the real path working.
@@ -7,12 +8,14 @@ is a failure, not a skip: this is the test that keeps the real path working.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -68,13 +71,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def deployment(reference) -> dict[str, int]:
-    """`specd up` on free ports; yields the ports by flag name."""
+@contextlib.contextmanager
+def specd_up(*extra: str) -> Iterator[dict[str, int]]:
+    """`specd up` on free ports (and `extra` flags); yields the ports by flag name."""
     ports = {f"{name}-port": free_port() for name in ("coordinator", "draft", "target", "http", "draft-metrics", "target-metrics")}
     flags = [arg for flag, port in ports.items() for arg in (f"--{flag}", str(port))]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "up", *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        [sys.executable, "-m", "services.cli", "up", *flags, *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True,
     )
     try:
         _wait_for_line(proc, "specd is up")
@@ -82,6 +86,12 @@ def deployment(reference) -> dict[str, int]:
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def deployment(reference) -> Iterator[dict[str, int]]:
+    with specd_up("--target-quantize", "none") as ports:  # the checkpoint's float32 weights: HF's numerics
+        yield ports
 
 
 def _wait_for_line(proc: subprocess.Popen, marker: str) -> None:
