@@ -699,6 +699,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="the draft and target services take turns at the cores (specd up's default)")
     parser.add_argument("--draft-confidence", help="adaptive K's confidence stop (default: the coordinator's)")
     parser.add_argument("--siblings", choices=("on", "off"), help="greedy siblings in spare rows (default: on)")
+    parser.add_argument("--audit-rate", default="0", help="the coordinator's lossless audit (default 0 here: its "
+                        "background re-decodes would share the cores with the requests being timed)")
     parser.add_argument("--target-quantize", help="the target's numerics: none | q4 | auto (default: specd up's)")
     parser.add_argument("--draft-quantize", help="the draft's numerics: none | int8 | q4 | auto (default: specd up's)")
     parser.add_argument("--llama-server", type=Path, help="llama.cpp's llama-server binary (../shared/tools/"
@@ -706,7 +708,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=Path, default=PROMPTS, help="prompt set (benchmarks/prompts.json; "
                         "held out: benchmarks/prompts_heldout.json)")
     args = parser.parse_args(argv)
-    up_flags = ("--pipeline", args.pipeline, "--core-turns", args.core_turns) + tuple(
+    up_flags = ("--pipeline", args.pipeline, "--core-turns", args.core_turns, "--audit-rate", args.audit_rate) + tuple(
         ("--draft-confidence", args.draft_confidence) if args.draft_confidence is not None else ()
     ) + tuple(("--siblings", args.siblings) if args.siblings else ()) + tuple(
         arg for role in ("draft", "target") if getattr(args, f"{role}_quantize")

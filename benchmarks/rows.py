@@ -1,13 +1,14 @@
-"""The target's one-session pass by the rows it feeds: what a verification of K drafts (K + 1
-rows) costs, fed as is and padded to `kernels.padded_rows`' blocks.
+"""A model's one-session pass by the rows it feeds: what a verification of K drafts (K + 1
+rows) costs. float32 (`--quantize none`): fed as is and padded to `kernels.padded_rows`' blocks
+(the BLAS's small-matrix kernels work in column blocks, so some row counts cost more than a
+larger one; the padding feeds zero rows up to the block). q4: as fed (it does not pad). The
+repeats go round the row counts (every count once, then again), so a slow minute of this shared
+host hits them all alike.
 
-The BLAS's small-matrix kernels work in column blocks, so some row counts cost more than a
-larger one; the padding feeds zero rows up to the block. The repeats go round the row counts
-(every count once, then again), so a slow minute of this shared host hits them all alike.
+    .venv/bin/python -m benchmarks.rows [--repeats 15] [--max-rows 9] [--quantize q4] [--role draft]
 
-    .venv/bin/python -m benchmarks.rows [--repeats 15] [--max-rows 9]
-
-Writes benchmarks/results/rows.json: per row count the median pass time unpadded and padded.
+Writes benchmarks/results/rows.json (rows_q4.json, rows_q4_draft.json): per row count the
+median pass time.
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ def holding_context(engine: ModelEngine) -> ModelEngine:
 def sweep(engine: ModelEngine, max_rows: int, repeats: int) -> dict[str, dict[int, float]]:
     as_is = kernels.padded_rows
     paths = {"unpadded_s": lambda rows: rows, "padded_s": as_is}
+    if not engine.row_blocks:  # it runs the rows it is fed
+        del paths["padded_s"]
     times: dict[str, dict[int, list[float]]] = {path: {r: [] for r in range(1, max_rows + 1)} for path in paths}
     try:
         for _ in range(repeats):
@@ -62,16 +65,20 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--max-rows", type=int, default=9)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--quantize", default="none", choices=("none", "q4"))
+    parser.add_argument("--role", default="target", choices=("target", "draft"))
     args = parser.parse_args()
-    engine = holding_context(ModelEngine(EngineConfig(model_path("target"), dtype="float32", threads=args.threads)))
+    config = EngineConfig(model_path(args.role), dtype="float32", threads=args.threads, quantize=args.quantize)
+    engine = holding_context(ModelEngine(config))
     result = {
-        "benchmark": "rows", "model": "target (Qwen2.5-Coder 1.5B)", "dtype": "float32", "threads": args.threads,
-        "context": CONTEXT, "repeats": args.repeats, "machine": machine(),
-        "padding": {r: kernels.padded_rows(r) for r in range(1, args.max_rows + 1)},
+        "benchmark": "rows", "model": args.role, "dtype": "float32", "quantize": args.quantize,
+        "threads": args.threads, "context": CONTEXT, "repeats": args.repeats, "machine": machine(),
+        "padding": {r: kernels.padded_rows(r) if engine.row_blocks else r for r in range(1, args.max_rows + 1)},
         **sweep(engine, args.max_rows, args.repeats),
     }
     print(result)
-    print(f"wrote {write('rows', result)}")
+    name = "rows" + ("" if args.quantize == "none" else f"_{args.quantize}") + ("" if args.role == "target" else "_draft")
+    print(f"wrote {write(name, result)}")
 
 
 if __name__ == "__main__":
