@@ -623,8 +623,13 @@ def _model_dirs(cfg: BenchConfig) -> tuple[Path, Path]:
 
 
 def _result(cfg, prompts, runs, probes, scaling, duration_s, rss) -> dict:
+    # Each deployment against its own plain decoding: the services' numerics (q4 by default) are
+    # not Hugging Face's float32, which the HF configurations run.
     reference = {r.prompt: r.output for r in runs if r.config == PLAIN}
-    ours = [r for r in runs + (scaling["runs"] if scaling else []) if r.config not in (LLAMA_PLAIN, LLAMA_SPEC)]
+    hf_reference = {r.prompt: r.output for r in runs if r.config == HF_PLAIN}
+    others = (LLAMA_PLAIN, LLAMA_SPEC, HF_PLAIN, HF_ASSISTED)
+    ours = [r for r in runs + (scaling["runs"] if scaling else []) if r.config not in others]
+    hf_assisted = [r for r in runs if r.config == HF_ASSISTED]
     specd_rss = {role: size for role, size in rss.items() if role in ("draft", "target", "coordinator")}
     classes = {kind: class_summary(kind, runs, probes, cfg.ks) for kind in dict.fromkeys(p.kind for p in prompts)}
     plots = plot(classes, runs, cfg.name)
@@ -644,7 +649,8 @@ def _result(cfg, prompts, runs, probes, scaling, duration_s, rss) -> dict:
                            "ModelEngine numerics (fp32 target + small-row matmul, int8 draft)",
         },
         "duration_s": round(duration_s, 1),
-        "lossless": {"checked": len(ours), "mismatches": mismatches(reference, ours),
+        "lossless": {"checked": len(ours) + len(hf_assisted),
+                     "mismatches": mismatches(reference, ours) + mismatches(hf_reference, hf_assisted),
                      "llama_spec_equals_its_plain": peer_lossless(runs)},
         "rss_gb": rss,
         "classes": classes,
