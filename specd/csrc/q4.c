@@ -127,7 +127,7 @@ static inline float hsum256(__m256 v)
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
 #define PANELS 2 /* panels that share one activation broadcast */
-#define RT 4     /* rows that share one weight unpack */
+#define RT 6     /* rows that share one weight unpack, at most */
 
 static inline __m512i x4(const int8_t *x)
 {
@@ -188,22 +188,27 @@ static inline __m512i x4(const int8_t *x)
                 _mm512_mask_storeu_ps(y + (m0 + r) * N + n, keep, v);                                          \
             }                                                                                                  \
     }
-TILE(1, 1) TILE(2, 1) TILE(3, 1) TILE(4, 1)
-TILE(1, 2) TILE(2, 2) TILE(3, 2) TILE(4, 2)
+TILE(1, 1) TILE(2, 1) TILE(3, 1) TILE(4, 1) TILE(5, 1) TILE(6, 1)
+TILE(1, 2) TILE(2, 2) TILE(3, 2) TILE(4, 2) TILE(5, 2) TILE(6, 2)
 
-/* P panels from p0, every row, RT rows at a time. */
+/* P panels from p0, every row, in as few tiles of at most RT rows as can be, of even sizes
+ * (9 rows: 5 + 4): each tile unpacks the weights once. */
 static void panels(const int8_t *xq, const float *xd, const float *xs, int64_t M, int64_t K, const uint8_t *w,
                    const uint16_t *wd, const uint16_t *wm, const float *bias, int64_t N, int64_t p0, int P, float *y)
 {
-    for (int64_t m0 = 0; m0 < M; m0 += RT) {
-        const int64_t rows = M - m0 < RT ? M - m0 : RT;
+    const int64_t tiles = (M + RT - 1) / RT;
+    for (int64_t t = 0, m0 = 0; t < tiles; t++) {
+        const int64_t rows = M / tiles + (t < M % tiles);
 #define CALL(R) (P == 2 ? tile_##R##_2 : tile_##R##_1)(xq, xd, xs, K, m0, w, wd, wm, bias, N, p0, y)
         switch (rows) {
         case 1: CALL(1); break;
         case 2: CALL(2); break;
         case 3: CALL(3); break;
-        default: CALL(4); break;
+        case 4: CALL(4); break;
+        case 5: CALL(5); break;
+        default: CALL(6); break;
         }
+        m0 += rows;
 #undef CALL
     }
 }
