@@ -193,11 +193,14 @@ def inherit(prior: PolicyState) -> PolicyState:
 
 def calibration_ks(config: PolicyConfig) -> tuple[int, ...]:
     """The K whose rounds price every K up to max_k: a plain step, and one K per row block (its
-    largest within max_k); without blocks, powers of two and max_k (lines join them)."""
+    largest within max_k); without blocks, every K. A target that runs the rows it is fed is not a
+    line through a few K: the q4 engine's cost steps up where a second row tile starts (7 rows,
+    benchmarks/results/rows_q4.json), and a line through K = 4, 8, 16 hid that step while the
+    optimism of `explore_k` tried each K in between once per session."""
     if config.row_blocks:
         ks = {block - 1 for block in config.row_blocks if block - 1 <= config.max_k} | {config.max_k}
     else:
-        ks = {2**i for i in range(config.max_k.bit_length())} | {config.max_k}
+        ks = set(range(1, config.max_k + 1))
     return tuple(sorted(ks | {0}))
 
 

@@ -36,7 +36,7 @@ CPU = PolicyConfig(max_k=16, row_blocks=row_blocks(17))  # blocks 1, 2, 4, 5, 6,
 
 def test_one_round_per_row_block_prices_every_k():
     assert calibration_ks(CPU) == (0, 1, 3, 4, 5, 7, 15, 16)  # 16 drafts are 17 rows: the 24-row block
-    assert calibration_ks(PolicyConfig(max_k=16)) == (0, 1, 2, 4, 8, 16)  # no blocks: lines join these
+    assert calibration_ks(PolicyConfig(max_k=16)) == tuple(range(17))  # no blocks: every K is priced by its own rounds
     assert calibration_ks(PolicyConfig(max_k=1, row_blocks=(1, 2))) == (0, 1)
 
 
