@@ -51,18 +51,18 @@ class Q4Qwen2:
         self.embed = weight("embed")  # its rows are dequantised on lookup
         self.lm_head = self.embed if config.tie_word_embeddings else weight("lm_head")
         self.norm = state["norm"]
-        self.layers = [
+        layers = [
             DecoderLayer(state[f"{i}.input_norm"], weight(f"{i}.qkv"), weight(f"{i}.o"), state[f"{i}.post_norm"],
                          weight(f"{i}.gate_up"), weight(f"{i}.down"))
             for i in range(config.num_hidden_layers)
         ]
-        self.decoder = qkernels.Decoder(self.layers, self.heads, self.kv_heads, self.head_dim, self.eps)
+        self.decoder = qkernels.Decoder(layers, self.heads, self.kv_heads, self.head_dim, self.eps)  # holds them
 
     @property
     def nbytes(self) -> int:
-        weights = [self.embed, self.lm_head] + [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        weights = [self.embed, self.lm_head] + [w for layer in self.decoder.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         unique = {id(w): w for w in weights}.values()
-        norms = [self.norm] + [n for layer in self.layers for n in (layer.input_norm, layer.post_norm)]
+        norms = [self.norm] + [n for layer in self.decoder.layers for n in (layer.input_norm, layer.post_norm)]
         return sum(w.nbytes for w in unique) + sum(n.numel() * n.element_size() for n in norms)
 
     def new_cache(self) -> "KVCache":

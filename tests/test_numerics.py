@@ -113,7 +113,7 @@ def test_a_restart_reads_the_cached_quantised_weights_back_bit_for_bit(tiny_pair
     state = qwen2._quantised_state(tiny_pair[1], first.config)  # what quantising afresh gives
     second = qwen2.Q4Qwen2(tiny_pair[1])
     for net in (first, second):
-        layer = net.layers[1]
+        layer = net.decoder.layers[1]
         assert torch.equal(layer.gate_up.packed, state["1.gate_up.packed"]) and torch.equal(layer.qkv.bias, state["1.qkv.bias"])
         assert torch.equal(net.lm_head.d, state["lm_head.d"]) and torch.equal(layer.post_norm, state["1.post_norm"])
     caches = [first.new_cache(), second.new_cache()]
