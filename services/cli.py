@@ -7,7 +7,6 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -20,11 +19,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services.common import settings
 from services.common.phoenix import PROJECT, LocalPhoenix
 from services.common.redis_server import LocalRedis
+from services.common.supervisor import Supervisor, describe
 from services.common.worker import DEFAULT_MAX_BATCH
 from services.protogen.specd.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 PORTS = {"coordinator": 50051, "draft": 50052, "target": 50053}
 METRICS_PORTS = {"draft": 9101, "target": 9102}  # Prometheus /metrics of the model services
+REPLICA_STRIDE = 100  # replica i of a model service listens on its ports + 100·i
 READY_TIMEOUT_S = 600.0
 
 
@@ -47,6 +48,8 @@ def main(argv: list[str] | None = None) -> None:
         settings.add(up, f"--{role}-port", type=int, default=port, help=f"{role} gRPC port")
     for role, port in METRICS_PORTS.items():
         settings.add(up, f"--{role}-metrics-port", type=int, default=port, help=f"{role} /metrics port (0: off)")
+        settings.add(up, f"--{role}-replicas", type=int, default=1,
+                     help=f"{role} service processes (replica i on the {role} ports + {REPLICA_STRIDE}·i)")
     settings.add(up, "--draft-threads", type=int, help="torch threads of the draft service")
     _add_quantize(up)
     settings.add(up, "--draft-max-batch", type=int, default=DEFAULT_MAX_BATCH,
@@ -168,48 +171,57 @@ def _start_tracing(stack: contextlib.ExitStack) -> None:
     print(f"tracing: Phoenix UI at {phoenix.url} (project {PROJECT})", flush=True)
 
 
-def _addresses(args: argparse.Namespace) -> dict[str, str]:
-    return {role: f"{args.host}:{getattr(args, role + '_port')}" for role in PORTS}
+def _addresses(args: argparse.Namespace) -> dict[str, list[str]]:
+    """Each role's replica addresses (the coordinator is one)."""
+    return {role: [f"{args.host}:{port}" for port in _ports(args, role, "port")] for role in PORTS}
+
+
+def _ports(args: argparse.Namespace, role: str, kind: str) -> list[int]:
+    """`kind` "port" or "metrics_port" of each replica of `role` (0 stays 0: off)."""
+    base = getattr(args, f"{role}_{kind}")
+    replicas = getattr(args, f"{role}_replicas", 1)
+    return [base + REPLICA_STRIDE * i if base else 0 for i in range(replicas)]
 
 
 def _commands(
     args: argparse.Namespace, paths: dict[str, Path], redis_url: str, cores_lock: Path | None
 ) -> dict[str, list[str]]:
-    """Each service's command line (after the Python executable)."""
+    """Each child's command line (after the Python executable), by name: draft-0, target-0, ..., coordinator."""
     addr = _addresses(args)
-    commands = {
-        "draft": [*_model_service(args, "draft", paths["draft"]), "--max-batch", str(args.draft_max_batch)],
-        "target": _model_service(args, "target", paths["target"]),
-        "coordinator": [
-            *("-m", "services.coordinator", "--model-dir", str(paths["target"])),
-            *("--host", args.host, "--port", str(args.coordinator_port), "--default-k", str(args.default_k)),
-            *("--pipeline", args.pipeline, "--inject-rtt-ms", str(args.inject_rtt_ms)),
-            *("--draft-addr", addr["draft"], "--target-addr", addr["target"], "--redis-url", redis_url),
-        ],
-    }
+    commands = {}
     for role in METRICS_PORTS:
-        commands[role] += ["--metrics-port", str(getattr(args, f"{role}_metrics_port"))]
-    for role in ("draft", "target"):
-        if cores_lock:
-            commands[role] += ["--cores-lock", str(cores_lock)]
-        if args.batch_wait is not None:
-            commands[role] += ["--batch-wait", str(args.batch_wait)]
-    commands["coordinator"] += ["--http-port", str(args.http_port)]
+        for i, (port, metrics_port) in enumerate(zip(_ports(args, role, "port"), _ports(args, role, "metrics_port"))):
+            cmd = [*_model_service(args, role, paths[role], port), "--metrics-port", str(metrics_port)]
+            if role == "draft":
+                cmd += ["--max-batch", str(args.draft_max_batch)]
+            if cores_lock:
+                cmd += ["--cores-lock", str(cores_lock)]
+            if args.batch_wait is not None:
+                cmd += ["--batch-wait", str(args.batch_wait)]
+            commands[f"{role}-{i}"] = cmd
+    coordinator = [
+        *("-m", "services.coordinator", "--model-dir", str(paths["target"])),
+        *("--host", args.host, "--port", str(args.coordinator_port), "--default-k", str(args.default_k)),
+        *("--pipeline", args.pipeline, "--inject-rtt-ms", str(args.inject_rtt_ms), "--redis-url", redis_url),
+        *("--draft-addr", ",".join(addr["draft"]), "--target-addr", ",".join(addr["target"])),
+        *("--http-port", str(args.http_port)),
+    ]
     if args.api_keys_file:
-        commands["coordinator"] += ["--api-keys-file", str(args.api_keys_file)]
+        coordinator += ["--api-keys-file", str(args.api_keys_file)]
     if args.draft_confidence is not None:
-        commands["coordinator"] += ["--draft-confidence", args.draft_confidence]
+        coordinator += ["--draft-confidence", args.draft_confidence]
     if args.siblings is not None:
-        commands["coordinator"] += ["--siblings", args.siblings]
+        coordinator += ["--siblings", args.siblings]
     if args.audit_rate is not None:
-        commands["coordinator"] += ["--audit-rate", args.audit_rate]
-    return commands
+        coordinator += ["--audit-rate", args.audit_rate]
+    return commands | {"coordinator": coordinator}
 
 
 def _run_services(args: argparse.Namespace, paths: dict[str, Path], redis_url: str, cores_lock: Path | None) -> int:
+    """Start the children, wait until all serve, then keep them running (restarting any that
+    dies) until SIGTERM / Ctrl-C."""
     addr = _addresses(args)
-    commands = _commands(args, paths, redis_url, cores_lock)
-    procs = {role: subprocess.Popen([sys.executable, *cmd]) for role, cmd in commands.items()}
+    children = Supervisor(_commands(args, paths, redis_url, cores_lock))
     stopping = False
 
     def stop(*_):
@@ -219,37 +231,40 @@ def _run_services(args: argparse.Namespace, paths: dict[str, Path], redis_url: s
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     try:
-        _wait_ready(addr, procs)
+        children.start()
+        _wait_ready([a for role in ("draft", "target", "coordinator") for a in addr[role]], children)
         print(
-            f"specd is up: coordinator {addr['coordinator']} (draft {addr['draft']}, target {addr['target']}, "
-            f"sessions in {redis_url})",
+            f"specd is up: coordinator {addr['coordinator'][0]} (draft {','.join(addr['draft'])}, target "
+            f"{','.join(addr['target'])}, sessions in {redis_url})",
             flush=True,
         )
         if args.http_port >= 0:
             print(f"REST (OpenAI-compatible): http://{args.host}:{args.http_port}/v1, metrics at /metrics", flush=True)
-        while not stopping and all(p.poll() is None for p in procs.values()):
+        while not stopping:
+            children.tend()
             time.sleep(0.2)
-        failed = [role for role, p in procs.items() if p.poll() not in (None, 0)]
-        return 1 if failed and not stopping else 0
+        return 0
     finally:
-        _stop_all(procs.values())
+        children.stop()
 
 
-def _model_service(args: argparse.Namespace, role: str, model_dir: Path) -> list[str]:
+def _model_service(args: argparse.Namespace, role: str, model_dir: Path, port: int) -> list[str]:
     cmd = ["-m", f"services.{role}", "--model-dir", str(model_dir), "--host", args.host]
-    cmd += ["--port", str(getattr(args, f"{role}_port")), "--quantize", getattr(args, f"{role}_quantize")]
+    cmd += ["--port", str(port), "--quantize", getattr(args, f"{role}_quantize")]
     threads = getattr(args, f"{role}_threads")
     return cmd + (["--threads", str(threads)] if threads else [])
 
 
-def _wait_ready(addr: dict[str, str], procs: dict[str, subprocess.Popen]) -> None:
+def _wait_ready(addresses: list[str], children: Supervisor) -> None:
+    """Every child serves; one that exits before (a bad flag, a missing model) stops `specd up`."""
     deadline = time.monotonic() + READY_TIMEOUT_S
-    for role, address in addr.items():
+    for address in addresses:
         while not _serving(address):
-            if procs[role].poll() is not None:
-                raise SystemExit(f"{role} service exited with code {procs[role].returncode}")
+            if exited := children.exited():
+                name, code = next(iter(exited.items()))
+                raise SystemExit(f"{name} exited before serving ({describe(code)})")
             if time.monotonic() > deadline:
-                raise SystemExit(f"{role} service not ready after {READY_TIMEOUT_S:.0f}s")
+                raise SystemExit(f"{address} not serving after {READY_TIMEOUT_S:.0f}s")
             time.sleep(0.5)
 
 
@@ -295,17 +310,6 @@ def cmd_health(args: argparse.Namespace) -> int:
     serving = _serving(args.address, args.timeout)
     print("SERVING" if serving else "NOT SERVING")
     return 0 if serving else 1
-
-
-def _stop_all(procs) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    for p in procs:
-        try:
-            p.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            p.kill()
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

@@ -12,15 +12,19 @@ redis_url (required); device (cpu), {draft,target,gateway}_cpus (1, 1, 0),
 draft_gpus / target_gpus (0), draft_replicas /
 target_replicas / gateway_replicas (1, or "auto" for autoscaling 1..max_replicas),
 max_replicas (4), draft_quantize / target_quantize (none; see services/common/settings.py), dtype (float32),
-api_keys_file.
+api_keys_file, coordinator_flags (any flags of `python -m services.coordinator`, e.g.
+"--default-k 4 --pipeline auto": the ingress is built by the same code, services/coordinator/root.py).
 
-Sessions: a request may reach any replica of a model deployment; a replica that does not
-hold the session's cache is sent the committed tokens from Redis (the loop's resync), so
-answers stay exact, but several replicas per model cost re-prefills (see the README).
+Sessions: each call of a session goes to the model replica its id ranks first by rendezvous
+hashing (`SessionRouter`, as the gRPC pools place sessions), so a session stays with the
+replica that holds its cache; a replica that is gone or full moves only its own sessions (the
+loop resends them the committed tokens from Redis).
 """
 
 from __future__ import annotations
 
+import asyncio
+import shlex
 from collections.abc import Awaitable
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,21 +32,18 @@ from typing import TypeVar
 
 from fastapi import FastAPI
 from ray import serve
+from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from specd.contracts import DraftReply, EngineInfo, ProposeRequest, StaleSession, VerifyReply, VerifyRequest
 from specd.engine import EngineConfig, PositionMismatch
-from specd.loop import Services
-from services.common import settings
+from services.common import placement, settings
 from services.common.model_service import ModelServicer
 from services.draft.server import DraftServicer
 from services.target.server import TargetServicer
-from services.coordinator.auth import ApiKeys
-from services.coordinator.frontend import Frontend
+from services.coordinator import root
 from services.coordinator.gateway import create_app
-from services.coordinator.model_info import load_model_info
-from services.coordinator.requests import Limits
-from services.coordinator.store import RedisSessionStore
 
 
 T = TypeVar("T")
@@ -78,7 +79,30 @@ async def _or_stale(reply: Awaitable[T]) -> T | _Stale:
         return _Stale(mismatch.position)
 
 
-@serve.deployment(name="draft")
+class SessionRouter(RequestRouter):
+    """Each call goes to the replica its session id ranks first by rendezvous hashing (the next
+    ones if that is full); calls without a session go to any replica."""
+
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        session_id = _session_of(pending_request)
+        if session_id is None:
+            return [candidate_replicas]
+        by_id = {replica.replica_id.unique_id: replica for replica in candidate_replicas}
+        return [[by_id[unique_id]] for unique_id in placement.rank(session_id, by_id)]
+
+
+def _session_of(pending: PendingRequest | None) -> str | None:
+    """A model call's session: its request's id (propose, verify) or the id itself (release)."""
+    first = pending.args[0] if pending is not None and pending.args else None
+    return first if isinstance(first, str) else getattr(first, "session_id", None)
+
+
+SESSION_ROUTED = {"request_router_config": RequestRouterConfig(request_router_class=SessionRouter)}
+
+
+@serve.deployment(name="draft", **SESSION_ROUTED)
 class DraftDeployment(_ModelDeployment):
     def __init__(self, config: EngineConfig):
         super().__init__(DraftServicer.load(config, "draft"))
@@ -87,7 +111,7 @@ class DraftDeployment(_ModelDeployment):
         return await _or_stale(self.servicer.propose(request))
 
 
-@serve.deployment(name="target")
+@serve.deployment(name="target", **SESSION_ROUTED)
 class TargetDeployment(_ModelDeployment):
     def __init__(self, config: EngineConfig):
         super().__init__(TargetServicer.load(config, "target"))
@@ -119,6 +143,10 @@ class RayDrafter(_Handle):
     async def propose(self, request: ProposeRequest) -> DraftReply:
         return await self._call(request)
 
+    async def probe(self) -> bool:
+        await self._handle.engine_info.remote()
+        return True
+
 
 class RayVerifier(_Handle):
     def __init__(self, handle: DeploymentHandle):
@@ -141,24 +169,26 @@ class GatewayDeployment:
     """The coordinator: the transport-free loop over the two deployments, sessions in Redis,
     served through the same FastAPI gateway as `python -m services.coordinator`."""
 
-    def __init__(self, draft: DeploymentHandle, target: DeploymentHandle, settings: dict[str, str]):
-        self.draft, self.target, self.settings = draft, target, settings
+    def __init__(self, draft: DeploymentHandle, target: DeploymentHandle, argv: list[str]):
+        self.draft, self.target, self.argv = draft, target, argv
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        settings = self.settings
-        target_dir = Path(settings["target_model_dir"])
-        services = Services(
-            RayDrafter(self.draft), RayVerifier(self.target), RedisSessionStore(settings["redis_url"])
-        )
-        frontend = Frontend(services, load_model_info(target_dir), Limits())
-        keys_file = settings.get("api_keys_file")
-        keys = ApiKeys.from_file(Path(keys_file)) if keys_file else ApiKeys.open()
-        return create_app(frontend, keys, target_dir.resolve().name)
+        args = root.parse(self.argv)
+        frontend = root.build(args, RayDrafter(self.draft), RayVerifier(self.target))
+        app = create_app(frontend, root.api_keys(args), root.served_model_name(args), args.max_body_bytes)
+        starting: set[asyncio.Task] = set()
+
+        async def start_up() -> None:  # in the background: requests are served meanwhile
+            starting.add(asyncio.create_task(root.start_up(frontend, args.calibrate == "on")))
+
+        app.router.on_startup.append(start_up)
+        return app
 
 
 REQUIRED_ARGS = ("target_model_dir", "draft_model_dir", "redis_url")
 ARGS = frozenset({
-    *REQUIRED_ARGS, "device", "dtype", "draft_quantize", "target_quantize", "api_keys_file", "max_replicas",
+    *REQUIRED_ARGS, "device", "dtype", "draft_quantize", "target_quantize", "api_keys_file", "coordinator_flags",
+    "max_replicas",
     *(f"{role}_{what}" for role in ("draft", "target", "gateway") for what in ("cpus", "gpus", "replicas")),
 })
 
@@ -178,7 +208,20 @@ def build_app(args: dict[str, str]):
     )
     draft = DraftDeployment.options(**_scaling(args, "draft")).bind(draft_config)
     target = TargetDeployment.options(**_scaling(args, "target")).bind(target_config)
-    return GatewayDeployment.options(**_scaling(args, "gateway")).bind(draft, target, dict(args))
+    return GatewayDeployment.options(**_scaling(args, "gateway")).bind(draft, target, coordinator_argv(args))
+
+
+def coordinator_argv(args: dict[str, str]) -> list[str]:
+    """The ingress's coordinator flags, checked here (a bad one fails `serve run`, not a replica)."""
+    argv = ["--model-dir", args["target_model_dir"], "--redis-url", args["redis_url"]]
+    if args.get("api_keys_file"):
+        argv += ["--api-keys-file", args["api_keys_file"]]
+    argv += shlex.split(args.get("coordinator_flags", ""))
+    try:
+        root.parse(argv)
+    except SystemExit:
+        raise ValueError(f"coordinator_flags: not flags `python -m services.coordinator` takes: {argv}") from None
+    return argv
 
 
 DEFAULT_CPUS = {"draft": 1.0, "target": 1.0, "gateway": 0.0}  # the gateway waits on I/O: it reserves no core

@@ -4,7 +4,8 @@ One request and one reply per RPC: `ProposeRequest` -> `DraftReply` (the draft s
 `VerifyRequest` -> `VerifyReply` (the target service; K = 0 is a plain step), and the values
 they carry: `SyncPoint`, `SamplingParams`, a `Proposal` (its q rows as `SparseDist`), a
 `Verdict`. A service that lost the session answers `StaleSession`; `EngineInfo` is what a
-service runs. The loop builds the requests, the gRPC converters and Ray handles carry them, the
+service runs, `ReplicaLoad` how busy a replica is; `ServiceUnavailable` means no replica
+answered. The loop builds the requests, the gRPC converters and Ray handles carry them, the
 role engines (specd/draft_engine.py, specd/target_engine.py) answer them.
 
 Frozen dataclasses, and no torch: the coordinator imports this module, never a model.
@@ -164,6 +165,27 @@ class EngineInfo:
     invariant: bool  # passed the batch-invariance self-check on its host
     reason: str  # why this mode
     row_blocks: tuple[int, ...] = ()  # row counts its passes run at (fewer rows padded up); (): as fed
+
+
+@dataclass(frozen=True)
+class ReplicaLoad:
+    """How busy a model-service replica is: clients place new sessions on replicas with room."""
+
+    instance_id: str
+    sessions: int  # sessions whose caches it holds
+    max_sessions: int
+    queued: int  # calls waiting for the model
+    max_batch: int  # calls one pass takes
+    draining: bool = False  # stopping: finishing its calls, refusing new ones
+
+    @property
+    def has_room(self) -> bool:
+        """A new session would neither push out another's cache nor wait behind a full pass."""
+        return not self.draining and self.sessions < self.max_sessions and self.queued <= self.max_batch
+
+
+class ServiceUnavailable(Exception):
+    """No replica of a model service answered (all down, stopping, or too slow for the round)."""
 
 
 class StaleSession(Exception):

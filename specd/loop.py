@@ -5,14 +5,16 @@ tests) and a `SessionStore` (Redis). The committed tokens in the store are the t
 service's KV cache is a soft copy. A service is told what changed since the position it is
 known to hold (`SyncPoint`), and is resent everything when it no longer has that prefix
 (restart, eviction, another replica). A round is a pure function of the committed tokens
-and the seed, so a round that failed half-way is simply run again.
+and the seed, so a round that failed half-way is simply run again. While no draft replica
+answers, rounds are plain target steps (`DraftOutage`): output is the same, only slower.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import AsyncIterator, Awaitable, Callable, Protocol, Sequence, TypeVar
 
 from opentelemetry import trace
@@ -22,6 +24,7 @@ from specd.contracts import (
     Proposal,
     ProposeRequest,
     SamplingParams,
+    ServiceUnavailable,
     StaleSession,
     SyncPoint,
     VerifyReply,
@@ -32,14 +35,20 @@ from specd.session import ServiceCursor, SessionState, SessionStats, SessionStor
 from specd.stopping import Decode, StopChecker, StopRules
 
 EMPTY_PROPOSAL = Proposal((), ())
+DRAFT_TIMEOUT_S = 2.0  # a proposal slower than this counts as no draft replica answering
+DRAFT_PROBE_S = 0.5  # while none answers, ask the pool again this often
 T = TypeVar("T")
 tracer = trace.get_tracer(__name__)  # the vendor-neutral API: a no-op until a service installs a provider
+log = logging.getLogger(__name__)
 
 
 class Drafter(Protocol):
     async def propose(self, request: ProposeRequest) -> DraftReply: ...
 
     async def release(self, session_id: str) -> None: ...
+
+    async def probe(self) -> bool:
+        """Does some replica take calls now?"""
 
 
 class Verifier(Protocol):
@@ -102,11 +111,47 @@ class _Cursor:
         return ServiceCursor(self.position, self.instance_id)
 
 
+@dataclass
+class DraftOutage:
+    """Whether the draft pool answers, shared by a coordinator's sessions. A proposal that no
+    replica answered within `timeout_s` starts an outage: rounds are plain target steps at once,
+    and one background probe asks the pool every `probe_s` until a replica answers again."""
+
+    timeout_s: float = DRAFT_TIMEOUT_S
+    probe_s: float = DRAFT_PROBE_S
+    down: bool = False
+    outages: int = 0
+    _probing: asyncio.Task | None = None
+
+    def drafting(self, drafter: Drafter) -> bool:
+        """May this round draft? (During an outage: no, and a probe is running.)"""
+        if self.down and (self._probing is None or self._probing.done()):
+            self._probing = asyncio.get_running_loop().create_task(self._probe(drafter))
+        return not self.down
+
+    def lost(self, error: BaseException) -> None:
+        if not self.down:
+            self.down, self.outages = True, self.outages + 1
+            log.warning("no draft replica answers (%s): decoding plainly until one does", error or type(error).__name__)
+
+    async def _probe(self, drafter: Drafter) -> None:
+        while self.down:
+            try:
+                if await asyncio.wait_for(drafter.probe(), self.timeout_s):
+                    self.down = False
+                    log.info("a draft replica answers again: speculating")
+                    return
+            except Exception:  # noqa: BLE001 - any failure means: not yet
+                pass
+            await asyncio.sleep(self.probe_s)
+
+
 @dataclass(frozen=True)
 class Services:
     drafter: Drafter
     verifier: Verifier
     store: SessionStore
+    outage: DraftOutage = field(default_factory=DraftOutage)
 
 
 async def generate(
@@ -142,10 +187,15 @@ async def generate(
                 # 1. draft
                 drafting = None
                 ahead = lookahead(state.policy, k, request.policy)
-                if k > 0:
-                    drafting = await _call(draft, committed, lambda s: services.drafter.propose(
-                        ProposeRequest(session_id, s, k, request.params, ahead, _min_confidence(request))
-                    ))
+                forced_plain = k > 0 and not services.outage.drafting(services.drafter)
+                if k > 0 and not forced_plain:
+                    try:
+                        drafting = await asyncio.wait_for(_call(draft, committed, lambda s: services.drafter.propose(
+                            ProposeRequest(session_id, s, k, request.params, ahead, _min_confidence(request))
+                        )), services.outage.timeout_s)
+                    except (ServiceUnavailable, TimeoutError) as error:
+                        services.outage.lost(error)
+                        forced_plain = True
                 drafted: DraftReply | None = drafting and drafting.reply
                 proposal = drafted.proposal if drafted else EMPTY_PROPOSAL
                 if not request.policy.siblings:
@@ -169,12 +219,12 @@ async def generate(
                 # 5. learn: acceptance and timings feed the K / fallback policy
                 policy = state.policy
                 observation = _observation(k, a, drafting, verifying, ahead > 0)
-                if request.fixed_k is None:
+                if request.fixed_k is None and not forced_plain:  # an outage's rounds say nothing of the policy
                     policy = observe(policy, observation, request.policy)
                 round_stats = SessionStats().record(
                     k, a, policy.fallbacks - state.policy.fallbacks, draft.resyncs + target.resyncs - resyncs,
                     observation.draft_s, observation.verify_s, observation.reused,
-                    sibling_tokens=int(verified.verdict.after_sibling is not None),
+                    sibling_tokens=int(verified.verdict.after_sibling is not None), outage_rounds=int(forced_plain),
                 )
                 span.set_attributes(_round_attributes(stats.rounds, observation, len(committed), policy.mode))
                 stats += round_stats

@@ -40,6 +40,7 @@ class SessionStats:
     round_wall_s: float = 0.0  # the coordinator's wall time for its rounds, store saves included
     reused: int = 0  # drafts the draft had made ahead during the previous round (pipelining's won bets)
     sibling_tokens: int = 0  # tokens committed after a recovered sibling (specd/verify.py): one per sibling won
+    outage_rounds: int = 0  # plain rounds because no draft replica answered (specd/loop.py: DraftOutage)
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -56,11 +57,12 @@ class SessionStats:
         verify_s: float = 0.0,
         reused: int = 0,
         sibling_tokens: int = 0,
+        outage_rounds: int = 0,
     ) -> "SessionStats":
         judged = accepted + (1 if accepted < k else 0)
         return self + SessionStats(
             1, k, accepted, (1,) * accepted, (1,) * k, fallbacks, resyncs, judged, draft_s, verify_s, reused=reused,
-            sibling_tokens=sibling_tokens,
+            sibling_tokens=sibling_tokens, outage_rounds=outage_rounds,
         )
 
     def __add__(self, other: "SessionStats") -> "SessionStats":
@@ -78,6 +80,7 @@ class SessionStats:
             self.round_wall_s + other.round_wall_s,
             self.reused + other.reused,
             self.sibling_tokens + other.sibling_tokens,
+            self.outage_rounds + other.outage_rounds,
         )
 
 

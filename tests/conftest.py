@@ -53,3 +53,34 @@ def greedy_reference(target_dir: Path) -> Callable[[list[int], int], list[int]]:
         return out[0, len(prompt_ids) :].tolist()
 
     return continuation
+
+
+@pytest.fixture
+def procs():
+    """Start service processes (tests/procs.py) together, wait until each serves; stop them after the test."""
+    from tests.procs import ServiceProcess
+
+    started: list[ServiceProcess] = []
+
+    def launch(*services: ServiceProcess) -> list[ServiceProcess]:
+        for s in services:
+            started.append(s.start())
+        return [s.wait_ready() for s in services]
+
+    yield launch
+    for s in started:
+        s.stop()
+
+
+@pytest.fixture(scope="session")
+def model(tiny_pair):
+    """The tiny target's tokenizer and limits, as the coordinator loads them."""
+    from services.coordinator.model_info import load_model_info
+
+    return load_model_info(tiny_pair[1])
+
+
+@pytest.fixture(scope="session")
+def target_alone(tiny_pair) -> Callable[[list[int], int], list[int]]:
+    """Greedy continuations by the tiny target alone (`greedy_reference`)."""
+    return greedy_reference(tiny_pair[1])

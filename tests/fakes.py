@@ -15,6 +15,7 @@ from specd.contracts import (
     DraftReply,
     Proposal,
     ProposeRequest,
+    ServiceUnavailable,
     StaleSession,
     SyncPoint,
     Verdict,
@@ -87,8 +88,13 @@ class FakeService:
 class FakeDrafter(FakeService):
     confidence: Callable[[Sequence[int]], float] = lambda prefix: 1.0  # the draft's probability of its next token
     runner_up: NextToken | None = None  # greedy: its second choice after a prefix, offered as a sibling
+    down: bool = False  # no replica answers: propose raises ServiceUnavailable, probe says False
+    probes: int = 0
 
     async def propose(self, request: ProposeRequest) -> DraftReply:
+        if self.down:
+            self.calls += 1
+            raise ServiceUnavailable("no draft replica answered")
         tokens = self._sync(request.session_id, request.sync)
         position = len(tokens)
         for _ in range(request.k):
@@ -100,6 +106,10 @@ class FakeDrafter(FakeService):
         sibling = self.runner_up(tokens[:position]) if self.runner_up and drafted and request.params.greedy else None
         proposal = Proposal(tuple(tokens[position:]), (), None if drafted and sibling == tokens[position] else sibling)
         return DraftReply(proposal, position, self.instance_id, self.compute_s * drafted, 0, await self._wait())
+
+    async def probe(self) -> bool:
+        self.probes += 1
+        return not self.down
 
 
 @dataclass

@@ -13,26 +13,27 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.redis_server import free_port
+from services.protogen.specd.v1 import coordinator_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[1]
 READY_TIMEOUT_S = 120.0
 
 
 class ServiceProcess:
-    def __init__(self, role: str, args: list[str], log_dir: Path, port: int | None = None):
-        self.role, self.args = role, args
+    def __init__(self, role: str, args: list[str], log_dir: Path, port: int | None = None, host: str = "127.0.0.1"):
+        self.role, self.args, self.host = role, args, host
         self.port = port or free_port()
-        self.log_path = log_dir / f"{role}-{self.port}.log"
+        self.log_path = log_dir / f"{role}-{host}-{self.port}.log"
         self.env: dict[str, str] = {}  # added to this process's environment (tracing settings)
         self.proc: subprocess.Popen | None = None
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.host}:{self.port}"
 
     def start(self) -> "ServiceProcess":
         """Launch without waiting (start several, then `wait_ready` each: they boot in parallel)."""
-        cmd = [sys.executable, "-m", f"services.{self.role}", "--port", str(self.port), *self.args]
+        cmd = [sys.executable, "-m", f"services.{self.role}", "--host", self.host, "--port", str(self.port), *self.args]
         env = {**os.environ, "OMP_NUM_THREADS": "1", **self.env}
         with open(self.log_path, "a") as log:
             self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -65,10 +66,22 @@ class ServiceProcess:
                 self.kill9()
 
 
-def model_service(role: str, model_dir: Path, log_dir: Path, port: int | None = None) -> ServiceProcess:
-    return ServiceProcess(role, ["--model-dir", str(model_dir), "--dtype", "float64", "--threads", "1"], log_dir, port)
+def stub(proc: ServiceProcess) -> coordinator_pb2_grpc.CoordinatorStub:
+    """A coordinator process's client."""
+    return coordinator_pb2_grpc.CoordinatorStub(grpc.insecure_channel(proc.address))
 
 
-def coordinator(target_dir: Path, drafts: list[str], targets: list[str], redis_url: str, log_dir: Path) -> ServiceProcess:
-    args = ["--model-dir", str(target_dir), "--draft-addr", ",".join(drafts), "--target-addr", ",".join(targets)]
-    return ServiceProcess("coordinator", [*args, "--redis-url", redis_url, "--http-port", "0"], log_dir)
+def model_service(
+    role: str, model_dir: Path, log_dir: Path, port: int | None = None, host: str = "127.0.0.1", *extra: str
+) -> ServiceProcess:
+    args = ["--model-dir", str(model_dir), "--dtype", "float64", "--threads", "1", *extra]
+    return ServiceProcess(role, args, log_dir, port, host)
+
+
+def coordinator(
+    target_dir: Path, drafts: list[str] | str, targets: list[str] | str, redis_url: str, log_dir: Path, *extra: str
+) -> ServiceProcess:
+    """`drafts`, `targets`: addresses, or a pool spec (`file:///...`, `dns:///...`)."""
+    pools = [",".join(p) if isinstance(p, list) else p for p in (drafts, targets)]
+    args = ["--model-dir", str(target_dir), "--draft-addr", pools[0], "--target-addr", pools[1]]
+    return ServiceProcess("coordinator", [*args, "--redis-url", redis_url, "--http-port", "0", *extra], log_dir)

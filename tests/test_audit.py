@@ -20,7 +20,7 @@ from specd.audit import Auditor
 from specd.contracts import SamplingParams
 from specd.loop import Finished, GenerationRequest, Services
 from specd.stopping import StopRules
-from services.coordinator.__main__ import parse
+from services.coordinator.root import parse
 from services.coordinator.frontend import Frontend
 from services.coordinator.requests import Limits
 from services.protogen.specd.v1 import coordinator_pb2

@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from services.common import discovery
+
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 OVERLAYS = sorted(p.name for p in (ROOT / "k8s" / "overlays").iterdir() if p.is_dir())
@@ -65,6 +67,27 @@ def test_gpu_overlay_pins_each_model_service_to_its_own_gpu_pool():
     kinds = {kind for kind, _ in docs}
     assert {"HorizontalPodAutoscaler", "PodDisruptionBudget", "StatefulSet", "ConfigMap", "Service"} <= kinds
     assert "volumeClaimTemplates" in docs["StatefulSet", "redis"]["spec"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_coordinator_finds_each_pool_through_a_headless_service(overlay):
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(kustomize(overlay)) if d}
+    config = docs["ConfigMap", next(name for kind, name in docs if kind == "ConfigMap" and "config" in name)]["data"]
+    for role, port in (("draft", 50052), ("target", 50053)):
+        pool = discovery.resolver(config[f"SPECD_{role.upper()}_ADDR"])
+        assert isinstance(pool, discovery.Dns) and pool.port == port
+        service = docs["Service", pool.host]["spec"]
+        assert service["clusterIP"] == "None"  # a record per pod, not one virtual IP
+        labels = docs["Deployment", role]["spec"]["template"]["metadata"]["labels"]
+        assert service["selector"].items() <= labels.items()
+
+
+def test_gpu_overlay_pools_keep_a_replica_through_voluntary_disruptions():
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(kustomize("gpu")) if d}
+    for role in ("draft", "target"):
+        replicas = docs["Deployment", role]["spec"]["replicas"]
+        budget = docs["PodDisruptionBudget", role]["spec"]
+        assert replicas >= 2 and budget == {"minAvailable": 1, "selector": budget["selector"]}
 
 
 # --- compose --------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from specd.contracts import SamplingParams, VerifyReply
-from specd.loop import Chunk, Finished, GenerationRequest, RoundRecord, Services, generate
+from specd.loop import Chunk, DraftOutage, Finished, GenerationRequest, RoundRecord, Services, generate
 from specd.policy import PolicyConfig
 from specd.session import Fenced
 from specd.stopping import StopRules
@@ -23,8 +23,11 @@ def decode(ids) -> str:
     return "".join(chr(ord("a") + t % 26) for t in ids)
 
 
-def run(request: GenerationRequest, drafter, verifier, on_round=None, store=None, session="s1", ephemeral=True) -> list:
-    services = Services(drafter, verifier, store or FakeStore())
+def run(
+    request: GenerationRequest, drafter, verifier, on_round=None, store=None, session="s1", ephemeral=True,
+    outage: DraftOutage | None = None,
+) -> list:
+    services = Services(drafter, verifier, store or FakeStore(), outage or DraftOutage())
 
     async def collect():
         return [e async for e in generate(request, session, services, decode, ephemeral, on_round)]
@@ -60,6 +63,36 @@ def test_a_won_sibling_commits_two_tokens_unless_the_policy_turns_siblings_off(s
     assert len(done.token_ids) == s.accepted + s.rounds + s.sibling_tokens
     assert s.sibling_tokens == (s.rounds if siblings else 0)  # every round: two tokens for one target call
     assert all((sibling is not None) == siblings for sibling in verifier.siblings)
+
+def test_a_draft_outage_decodes_plainly_at_once_then_speculates_again():
+    drafter, verifier = FakeDrafter(draft_rule(100)), FakeVerifier(target_rule)
+    records: list[RoundRecord] = []
+    outage = DraftOutage(probe_s=0.0)
+
+    def on_round(record: RoundRecord) -> None:
+        records.append(record)
+        drafter.down = 2 <= len(records) < 6  # the pool is gone after round 2, back after round 6
+
+    done = run(request(max_tokens=60, k=3), drafter, verifier, on_round, outage=outage)[-1]
+    assert list(done.token_ids) == target_alone(PROMPT, 60)
+    ks = [r.k for r in records]
+    assert ks[:2] == [3, 3]
+    assert ks[2] == 0  # the round that found no draft went on plainly: no wait, no error
+    last_plain = max(i for i, k in enumerate(ks) if k == 0)
+    assert last_plain >= 5 and 3 in ks[last_plain:]  # plain while down, speculating once a probe got an answer
+    proposals_while_down = drafter.calls - sum(k > 0 for k in ks)
+    assert proposals_while_down == 1 and drafter.probes >= 1  # then only the background probe asked
+    assert outage.outages == 1 and not outage.down
+
+
+def test_a_draft_slower_than_its_timeout_counts_as_an_outage():
+    drafter, verifier = FakeDrafter(draft_rule(100), wait_s=0.5), FakeVerifier(target_rule)
+    outage = DraftOutage(timeout_s=0.05, probe_s=10.0)
+    records: list[RoundRecord] = []
+    done = run(request(max_tokens=10, k=3), drafter, verifier, records.append, outage=outage)[-1]
+    assert list(done.token_ids) == target_alone(PROMPT, 10)
+    assert [r.k for r in records] == [0] * 10 and outage.outages >= 1  # (its probe answers: it tries again)
+
 
 def test_rollback_bookkeeping_every_round():
     records: list[RoundRecord] = []

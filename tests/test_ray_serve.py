@@ -1,5 +1,6 @@
-"""The Ray Serve application on a real local Ray (2 CPUs), tiny pair in float64, a real Redis:
-greedy completions through its HTTP ingress are the target's alone, token for token."""
+"""The Ray Serve application on a real local Ray (2 CPUs), tiny pair in float64, a real Redis,
+two replicas of each model: greedy completions through its HTTP ingress are the target's alone,
+token for token, and a multi-turn session stays on its replicas (never resent)."""
 
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ def ray_app(tiny_pair, redis_url):
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         args = {"target_model_dir": str(target_dir), "draft_model_dir": str(draft_dir), "redis_url": redis_url,
-                "dtype": "float64"}
+                "dtype": "float64", "draft_replicas": "2", "target_replicas": "2", "draft_cpus": "0.5",
+                "target_cpus": "0.5", "coordinator_flags": "--default-k 3 --calibrate off"}
         serve.run(build_app(args), name="specd", route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:
@@ -51,6 +53,33 @@ def test_greedy_completion_through_the_ray_ingress_is_the_targets(ray_app, tiny_
         reply = client.post("/v1/completions", json=body).json()
     assert reply["choices"][0]["text"] == expected
     assert reply["specd"]["accepted_tokens"] > 0 or reply["specd"]["drafted_tokens"] > 0
+
+
+def test_a_multi_turn_session_stays_on_its_replicas(ray_app, tiny_pair):
+    from services.coordinator.model_info import load_model_info
+
+    model = load_model_info(tiny_pair[1])
+    target_alone = greedy_reference(tiny_pair[1])
+    history: list[int] = []
+    with httpx.Client(base_url=ray_app, timeout=120) as client:
+        name = client.get("/v1/models").json()["data"][0]["id"]
+        for text in ["One turn.", " Another turn.", " A third."]:
+            body = {"model": name, "prompt": text, "max_tokens": N_TOKENS, "temperature": 0, "ignore_eos": True,
+                    "session_id": "ray-multi-turn", "num_draft_tokens": 3}
+            reply = client.post("/v1/completions", json=body).json()
+            history += model.encode(text)
+            expected = target_alone(history, N_TOKENS)
+            assert reply["choices"][0]["text"] == model.decode(expected)
+            assert reply["specd"]["resyncs"] == 0 and reply["specd"]["drafted_tokens"] > 0
+            history += expected
+
+
+def test_the_coordinator_flags_are_checked_when_the_app_is_built(tiny_pair, redis_url):
+    from services.ray_app import build_app
+
+    args = {"target_model_dir": str(tiny_pair[1]), "draft_model_dir": str(tiny_pair[0]), "redis_url": redis_url}
+    with pytest.raises(ValueError, match="coordinator_flags"):
+        build_app(args | {"coordinator_flags": "--default-k many"})
 
 
 def test_the_ray_ingress_streams_and_refuses_bad_input(ray_app):

@@ -14,6 +14,7 @@ import json
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -72,8 +73,9 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def specd_up(*extra: str) -> Iterator[dict[str, int]]:
-    """`specd up` on free ports (and `extra` flags); yields the ports by flag name."""
+def specd_up(*extra: str, log: list[str] | None = None) -> Iterator[dict[str, int]]:
+    """`specd up` on free ports (and `extra` flags); yields the ports by flag name. Its output
+    after it is up goes on into `log` (read all along: a full pipe would block the services)."""
     ports = {f"{name}-port": free_port() for name in ("coordinator", "draft", "target", "http", "draft-metrics", "target-metrics")}
     flags = [arg for flag, port in ports.items() for arg in (f"--{flag}", str(port))]
     proc = subprocess.Popen(
@@ -82,6 +84,8 @@ def specd_up(*extra: str) -> Iterator[dict[str, int]]:
     )
     try:
         _wait_for_line(proc, "specd is up")
+        sink = log if log is not None else []
+        threading.Thread(target=lambda: sink.extend(proc.stdout), daemon=True).start()
         yield ports
     finally:
         proc.terminate()

@@ -14,40 +14,10 @@ import grpc
 import pytest
 
 from services.common.redis_server import LocalRedis
-from services.coordinator.model_info import load_model_info
-from services.protogen.specd.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, draft_pb2_grpc, target_pb2_grpc
-from tests.conftest import greedy_reference
-from tests.procs import ServiceProcess, coordinator, model_service
+from services.protogen.specd.v1 import common_pb2, coordinator_pb2, draft_pb2_grpc, target_pb2_grpc
+from tests.procs import ServiceProcess, coordinator, model_service, stub
 
 N_TOKENS = 240
-
-
-@pytest.fixture(scope="module")
-def model(tiny_pair):
-    return load_model_info(tiny_pair[1])
-
-
-@pytest.fixture(scope="module")
-def target_alone(tiny_pair):
-    return greedy_reference(tiny_pair[1])
-
-
-@pytest.fixture
-def procs(tmp_path):
-    started: list[ServiceProcess] = []
-
-    def launch(*services: ServiceProcess) -> list[ServiceProcess]:
-        for s in services:
-            started.append(s.start())
-        return [s.wait_ready() for s in services]
-
-    yield launch
-    for s in started:
-        s.stop()
-
-
-def stub(proc: ServiceProcess):
-    return coordinator_pb2_grpc.CoordinatorStub(grpc.insecure_channel(proc.address))
 
 
 def holder(replicas: list[ServiceProcess], role: str, session_id: str) -> ServiceProcess:
@@ -117,7 +87,9 @@ def test_kill9_of_a_model_service_mid_stream(procs, tiny_pair, tmp_path, model, 
         assert tokens == target_alone(model.encode(prompt), N_TOKENS)  # nothing lost, nothing duplicated
         assert "".join(c.text for c in chunks) == model.decode(tokens)
         assert chunks[-1].finish_reason == "length"
-        assert chunks[-1].stats.resyncs >= 1, "the kill must have hit the stream while it ran"
+        # another replica got the session resent, or (no draft left) it went on plainly meanwhile
+        stats = chunks[-1].stats
+        assert stats.resyncs + stats.outage_rounds >= 1, "the kill must have hit the stream while it ran"
 
 
 def test_redis_restart_from_its_aof_between_turns(procs, tiny_pair, tmp_path, model, target_alone):

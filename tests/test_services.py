@@ -18,7 +18,7 @@ from specd.policy import PolicyConfig
 from specd.loop import Chunk, GenerationRequest, RoundRecord, Services, generate
 from specd.sampling import SamplingParams
 from specd.stopping import StopRules
-from services.coordinator.__main__ import _row_blocks, parse
+from services.coordinator.root import _row_blocks, parse
 from services.coordinator.requests import Limits
 from services.coordinator.store import RedisSessionStore
 from services.draft.client import GrpcDrafter

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from specd.contracts import EngineInfo, SamplingParams, SparseDist, SyncPoint, validate_session_id
+from specd.contracts import EngineInfo, ReplicaLoad, SamplingParams, SparseDist, SyncPoint, validate_session_id
 from services.protogen.specd.v1 import common_pb2
 
 ENGINE_INFO_REQUEST = common_pb2.EngineInfoRequest()  # it has no fields
+LOAD_REQUEST = common_pb2.LoadRequest()
 
 
 def session_id_from_proto(msg: common_pb2.SessionRef) -> str:
@@ -23,6 +24,15 @@ def engine_info_to_proto(info: EngineInfo) -> common_pb2.EngineInfo:
 
 def engine_info_from_proto(msg: common_pb2.EngineInfo) -> EngineInfo:
     return EngineInfo(msg.instance_id, msg.numerics, msg.quantize, msg.invariant, msg.reason, tuple(msg.row_blocks))
+
+
+def load_to_proto(load: ReplicaLoad) -> common_pb2.ReplicaLoad:
+    return common_pb2.ReplicaLoad(instance_id=load.instance_id, sessions=load.sessions, max_sessions=load.max_sessions,
+                                  queued=load.queued, max_batch=load.max_batch, draining=load.draining)
+
+
+def load_from_proto(msg: common_pb2.ReplicaLoad) -> ReplicaLoad:
+    return ReplicaLoad(msg.instance_id, msg.sessions, msg.max_sessions, msg.queued, msg.max_batch, msg.draining)
 
 
 def session_ref_to_proto(session_id: str) -> common_pb2.SessionRef:

@@ -14,6 +14,10 @@ POSITION_KEY = "specd-position"
 R = TypeVar("R")
 
 
+class Draining(Exception):
+    """The service is stopping: it finishes the calls it has and takes no new ones."""
+
+
 def grpc_errors(method: Callable[..., Awaitable[R]]) -> Callable[..., Awaitable[R]]:
     """Servicer decorator: bad input -> INVALID_ARGUMENT, lost prefix -> FAILED_PRECONDITION, ..."""
 
@@ -24,6 +28,8 @@ def grpc_errors(method: Callable[..., Awaitable[R]]) -> Callable[..., Awaitable[
         except PositionMismatch as e:
             context.set_trailing_metadata(((POSITION_KEY, str(e.position)),))
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        except Draining as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         except SessionsFull as e:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except (ValueError, ContextTooLong) as e:

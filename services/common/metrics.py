@@ -65,6 +65,9 @@ class CoordinatorMetrics:
         self.sibling_tokens = Counter(
             "specd:spec_decode_num_sibling_tokens", "Tokens committed after a recovered sibling (greedy)", registry=r
         )
+        self.outage_rounds = Counter(
+            "specd:draft_outage_rounds", "Plain rounds because no draft replica answered", registry=r
+        )
         self.ttft = Histogram(
             "specd:time_to_first_token_seconds", "Request start to its first token", buckets=TTFT_BUCKETS, registry=r
         )
@@ -149,6 +152,7 @@ class RequestTracker:
             m.accepted_per_pos.labels(str(position)).inc(accepted)
         m.fallbacks.inc(stats.fallbacks)
         m.sibling_tokens.inc(stats.sibling_tokens)
+        m.outage_rounds.inc(stats.outage_rounds)
 
 
 class ModelMetrics:

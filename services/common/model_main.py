@@ -91,7 +91,7 @@ def main(
         if args.metrics_port:
             serve_metrics(servicer.metrics.registry, args.metrics_port, args.host)
             log.info("%s metrics on http://%s:%d/metrics", role, args.host, args.metrics_port)
-        await run_until_signalled(server)
+        await run_until_signalled(server, servicer.drain)
 
     try:
         asyncio.run(serve())

@@ -5,6 +5,7 @@ span, error and answer), the session RPCs (GetSession, Release), and what the en
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Generic, Self, TypeVar
@@ -14,11 +15,11 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Span, Status, StatusCode
 
-from specd.contracts import DraftReply, EngineInfo, ProposeRequest, VerifyReply, VerifyRequest
+from specd.contracts import DraftReply, EngineInfo, ProposeRequest, ReplicaLoad, VerifyReply, VerifyRequest
 from specd.engine import EngineConfig, ModelEngine
 from specd.role_engine import RoleEngine
 from services.common import convert
-from services.common.errors import grpc_errors
+from services.common.errors import Draining, grpc_errors
 from services.common.metrics import ModelMetrics
 from services.common.worker import Batcher, Batching, EngineWorker, SharedCores
 from services.protogen.specd.v1 import common_pb2
@@ -46,6 +47,7 @@ class ModelServicer(Generic[Request, Reply]):
         self.metrics = ModelMetrics()
         self.metrics.engine_loaded(self.engine_info())
         self.batcher = Batcher(worker, self._run_batch, key=lambda queued: queued.request.session_id, batching=batching)
+        self.draining = False
 
     @classmethod
     def load(cls, config: EngineConfig, name: str, cores: SharedCores | None = None, **kwargs) -> Self:
@@ -56,7 +58,22 @@ class ModelServicer(Generic[Request, Reply]):
 
     async def submit(self, request: Request) -> Reply:
         """The request's reply from the next batch, under the current (the RPC's) trace context."""
+        if self.draining:
+            raise Draining(f"{self.role} {self.engine.instance_id} is stopping: its sessions move to another replica")
         return await self.batcher.submit(Queued(request, otel_context.get_current()))
+
+    async def drain(self, grace_s: float) -> None:
+        """Stopping: refuse new calls (clients move their sessions on) and finish those queued or
+        running, for at most `grace_s`."""
+        self.draining = True
+        deadline = time.monotonic() + grace_s
+        while not self.batcher.idle and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+
+    def replica_load(self) -> ReplicaLoad:
+        """How busy it is; read off the worker thread (a count a pass may be changing is fine for placement)."""
+        return ReplicaLoad(self.engine.instance_id, self.engine.session_count(), self.engine.config.max_sessions,
+                           self.batcher.waiting, self.batcher.batching.max_batch, self.draining)
 
     # -- what each role fills in ------------------------------------------------------------------
 
@@ -129,6 +146,10 @@ class ModelServicer(Generic[Request, Reply]):
     @grpc_errors
     async def GetEngineInfo(self, request: common_pb2.EngineInfoRequest, context: grpc.aio.ServicerContext):
         return convert.engine_info_to_proto(self.engine_info())
+
+    @grpc_errors
+    async def GetLoad(self, request: common_pb2.LoadRequest, context: grpc.aio.ServicerContext):
+        return convert.load_to_proto(self.replica_load())
 
     @grpc_errors
     async def GetSession(self, request: common_pb2.SessionRef, context: grpc.aio.ServicerContext):

@@ -1,26 +1,34 @@
-"""A model service's replicas as one client: sticky to the instance that holds a session's
-cache, skipping a dead replica, and waiting (bounded) for a restarted one to come back.
+"""A model service's pool of replicas as one client. Each session goes to its rendezvous-hashed
+replica (services/common/placement.py), so every coordinator picks the same one; a replica that
+is down, stopping, or (for a session it does not hold yet) full is passed over for the next in
+the session's order. The pool is resolved again while it runs (services/common/discovery.py)
+and every replica's load is polled.
 
-Retrying is safe because every call carries its SyncPoint: the service first rolls the
-session back to that point, so running a round again gives the same result.
+Retrying on another replica is safe because every call carries its SyncPoint: a replica that
+lacks the prefix says so (StaleSession) and the loop resends it; running a round again gives
+the same result.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
-import zlib
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Generic, Sequence, TypeVar
 
 import grpc
 
+from specd.contracts import ReplicaLoad, ServiceUnavailable
+from services.common import discovery, placement
 from services.common.client import timeout
+from services.common.convert import LOAD_REQUEST, load_from_proto
 from services.common.server import MAX_MESSAGE_BYTES
 from services.common.telemetry import client_interceptors
 
 S = TypeVar("S")
 R = TypeVar("R")
+log = logging.getLogger(__name__)
 
 # Reconnect quickly: the default backoff (1 s growing to 120 s) would stall recovery after a restart.
 CHANNEL_OPTIONS = [
@@ -30,7 +38,10 @@ CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
 ]
-DOWN_FOR_S = 2.0  # a replica that failed is tried last for this long
+DOWN_FOR_S = 2.0  # a replica that failed is tried last for this long (or until a poll reaches it)
+REFRESH_S = 1.0  # between re-resolving the pool and polling its replicas' load
+POLL_TIMEOUT_S = 1.0
+CLOSE_GRACE_S = 30.0  # a replica that left the pool keeps its channel this long for calls in flight
 
 
 @dataclass
@@ -40,23 +51,56 @@ class _Replica(Generic[S]):
     stub: S
     instance_id: str = ""
     down_until: float = 0.0
+    load: ReplicaLoad | None = None  # last polled; None: not yet
+
+    def up(self, now: float) -> bool:
+        return self.down_until <= now and not (self.load and self.load.draining)
+
+    def takes(self, instance_id: str) -> bool:
+        """Holds the session already, or has room for it."""
+        return bool(instance_id) and self.instance_id == instance_id or self.load is None or self.load.has_room
 
 
 class Replicas(Generic[S]):
-    def __init__(self, addresses: Sequence[str], make_stub: Callable[[grpc.aio.Channel], S], retry_s: float = 60.0):
-        if not addresses:
-            raise ValueError("at least one replica address is required")
-        self._replicas = []
-        interceptors = client_interceptors()  # propagate the caller's trace context to the service
-        for address in addresses:
-            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS, interceptors=interceptors)
-            self._replicas.append(_Replica(address, channel, make_stub(channel)))
-        self.retry_s = retry_s
+    def __init__(
+        self,
+        name: str,
+        source: str | Sequence[str],
+        make_stub: Callable[[grpc.aio.Channel], S],
+        retry_s: float = 60.0,
+        refresh_s: float = REFRESH_S,
+    ):
+        """`source`: see discovery.resolver. `retry_s`: how long a call waits for some replica to answer."""
+        self.name, self.retry_s, self.refresh_s = name, retry_s, refresh_s
+        self.resolver = discovery.resolver(source)
+        self._make_stub = make_stub
+        self._interceptors = client_interceptors()  # propagate the caller's trace context to the service
+        self._replicas: dict[str, _Replica[S]] = {}
+        self._tasks: set[asyncio.Task] = set()  # the refresher, channels closing
+        self._refresher: asyncio.Task | None = None
+        if isinstance(self.resolver, discovery.Static):
+            self._update(self.resolver.addresses)
+
+    @property
+    def addresses(self) -> list[str]:
+        return list(self._replicas)
+
+    async def start(self) -> None:
+        """Resolve the pool (when not yet) and keep it fresh in the background; calls do this first."""
+        if self._refresher is None:
+            self._refresher = self._spawn(self._refresh_forever())
+            if not self._replicas:
+                try:
+                    await self._resolve()
+                except Exception as error:  # calls wait (up to retry_s) for the refresher to find some
+                    log.warning("%s pool: %s", self.name, error)
 
     async def call(self, instance_id: str, session_id: str, rpc: Callable[[S], Awaitable[R]]) -> R:
-        """Run `rpc` on the best replica; on UNAVAILABLE try the others, then wait and retry."""
-        deadline = time.monotonic() + timeout(self.retry_s)  # no retries past the client's deadline
-        delay = 0.05
+        """Run `rpc` on the session's replica; on UNAVAILABLE try the next in its order, then wait
+        and retry until `retry_s` (or the client's deadline) has passed."""
+        await self.start()
+        deadline = time.monotonic() + timeout(self.retry_s)
+        delay, last_error = 0.05, None
         while True:
             for replica in self._order(instance_id, session_id):
                 try:
@@ -64,28 +108,83 @@ class Replicas(Generic[S]):
                 except grpc.aio.AioRpcError as error:
                     if error.code() != grpc.StatusCode.UNAVAILABLE:
                         raise
-                    replica.down_until = time.monotonic() + DOWN_FOR_S
-                    last_error = error
+                    replica.down_until, last_error = time.monotonic() + DOWN_FOR_S, error
                     continue
                 replica.instance_id, replica.down_until = reply.instance_id, 0.0
                 return reply
-            if time.monotonic() > deadline:
-                raise last_error
+            if time.monotonic() + delay > deadline:
+                why = f"{last_error.details()}" if last_error else "the pool is empty"
+                raise ServiceUnavailable(f"no {self.name} replica answered within {self.retry_s:g}s: {why}")
             await asyncio.sleep(delay)
             delay = min(2 * delay, 1.0)
 
     def _order(self, instance_id: str, session_id: str) -> list[_Replica[S]]:
-        """Live replicas first; among them the one holding the session's cache, then a stable
-        per-session rotation (spreads sessions, keeps each on one replica)."""
-        start = zlib.crc32(session_id.encode()) % len(self._replicas)
-        rotated = self._replicas[start:] + self._replicas[:start]
+        """The session's rendezvous order, those up and taking it first (a stable sort keeps the order within)."""
         now = time.monotonic()
-        return sorted(rotated, key=lambda r: (r.down_until > now, not instance_id or r.instance_id != instance_id))
+        ranked = [self._replicas[a] for a in placement.rank(session_id, self._replicas)]
+        return sorted(ranked, key=lambda r: (not r.up(now), not r.takes(instance_id)))
 
     async def broadcast(self, rpc: Callable[[S], Awaitable[R]]) -> list[R | BaseException]:
         """Best effort on every replica (releasing a session: any of them may hold a copy): each
-        one's reply or error, in the order of the addresses."""
-        return await asyncio.gather(*(rpc(r.stub) for r in self._replicas), return_exceptions=True)
+        one's reply or error, in the order of `addresses`."""
+        await self.start()
+        return await asyncio.gather(*(rpc(r.stub) for r in self._replicas.values()), return_exceptions=True)
+
+    async def probe(self) -> bool:
+        """Ask every replica now: does any of them take calls?"""
+        await self.start()
+        await self.refresh()
+        now = time.monotonic()
+        return any(r.up(now) for r in self._replicas.values())
+
+    async def refresh(self) -> None:
+        if self.resolver.dynamic:
+            await self._resolve()
+        await asyncio.gather(*(self._poll(r) for r in list(self._replicas.values())))
+
+    async def _refresh_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.refresh_s)
+            try:
+                await self.refresh()
+            except Exception as error:  # a name that does not resolve now may later: keep the last pool
+                log.warning("%s pool: %s", self.name, error)
+
+    async def _resolve(self) -> None:
+        addresses = await self.resolver.resolve()
+        if not addresses:
+            raise ServiceUnavailable(f"the {self.name} pool resolved to no address")
+        self._update(addresses)
+
+    async def _poll(self, replica: _Replica[S]) -> None:
+        try:
+            load = load_from_proto(await replica.stub.GetLoad(LOAD_REQUEST, timeout=POLL_TIMEOUT_S))
+        except grpc.aio.AioRpcError as error:
+            if error.code() == grpc.StatusCode.UNAVAILABLE:
+                replica.down_until = max(replica.down_until, time.monotonic() + DOWN_FOR_S)
+            return
+        replica.load, replica.instance_id, replica.down_until = load, load.instance_id, 0.0
+
+    def _update(self, addresses: Sequence[str]) -> None:
+        added = [a for a in addresses if a not in self._replicas]
+        gone = [a for a in self._replicas if a not in addresses]
+        for address in added:
+            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS, interceptors=self._interceptors)
+            self._replicas[address] = _Replica(address, channel, self._make_stub(channel))
+        for address in gone:
+            self._spawn(self._replicas.pop(address).channel.close(CLOSE_GRACE_S))
+        if self._tasks and (added or gone):  # not at construction
+            log.info("%s pool: %d replicas (added %s, gone %s)", self.name, len(self._replicas), added, gone)
+
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
 
     async def close(self) -> None:
-        await asyncio.gather(*(r.channel.close() for r in self._replicas))
+        for task in list(self._tasks):
+            if task is self._refresher:
+                task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*(r.channel.close() for r in self._replicas.values()))

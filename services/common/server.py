@@ -18,6 +18,7 @@ log = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 STOP_GRACE_S = 5.0
 _announcing: set[asyncio.Task] = set()  # health updates waiting for a server's warm-up
+_health: dict[grpc.aio.Server, health.aio.HealthServicer] = {}  # each server's, to answer NOT_SERVING when stopping
 
 
 async def start_server(
@@ -41,6 +42,7 @@ async def start_server(
     names = list(register(server))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    _health[server] = health_servicer
     reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     port = server.add_insecure_port(address)
     if port == 0:
@@ -64,12 +66,19 @@ async def start_server(
     return server, port
 
 
-async def run_until_signalled(server: grpc.aio.Server) -> None:
-    """Serve until SIGTERM/SIGINT, then let in-flight calls finish for STOP_GRACE_S."""
+async def run_until_signalled(
+    server: grpc.aio.Server, drain: Callable[[float], Awaitable[None]] | None = None
+) -> None:
+    """Serve until SIGTERM/SIGINT; then answer health checks NOT_SERVING (probes and clients
+    stop sending), run `drain(grace_s)` (a model service finishes its queued calls and refuses
+    new ones), and let in-flight calls finish for STOP_GRACE_S."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     log.info("stopping (grace %.0fs)", STOP_GRACE_S)
+    await _health.pop(server).enter_graceful_shutdown()
+    if drain is not None:
+        await drain(STOP_GRACE_S)
     await server.stop(STOP_GRACE_S)

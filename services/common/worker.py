@@ -132,6 +132,11 @@ class Batcher(Generic[T, R]):
         """Calls queued for a coming worker turn."""
         return len(self._queue)
 
+    @property
+    def idle(self) -> bool:
+        """Nothing queued and no turn running."""
+        return not self._queue and (self._drainer is None or self._drainer.done())
+
     async def submit(self, item: T) -> R:
         future = asyncio.get_running_loop().create_future()
         with self._arrived:

@@ -1,145 +1,40 @@
-"""Coordinator entry point: connects to the draft and target services and serves clients."""
+"""Coordinator entry point: connects to the draft and target pools and serves clients over gRPC
+and REST (built in services/coordinator/root.py)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import logging
-from pathlib import Path
 
-from specd import audit
-from specd.loop import Services
-from specd.policy import PIPELINE_MODES, PolicyConfig
-from services.common import settings
-from services.common.client import NetworkDelay
 from services.common.metrics import serve_metrics
 from services.common.server import run_until_signalled, start_server
 from services.common.telemetry import setup_tracing
-from services.coordinator.requests import Limits
-from services.coordinator.auth import ApiKeys
-from services.coordinator.frontend import Frontend
-from services.coordinator.gateway import DEFAULT_HTTP_PORT, MAX_BODY_BYTES, HttpServer, create_app
-from services.coordinator.model_info import load_model_info
+from services.coordinator import root
+from services.coordinator.gateway import HttpServer, create_app
 from services.coordinator.server import CoordinatorServicer, register
-from services.coordinator.store import RedisSessionStore
 from services.draft.client import GrpcDrafter
 from services.target.client import GrpcVerifier
 
-DEFAULT_PORT = 50051
-CALIBRATION_ATTEMPTS, CALIBRATION_RETRY_S = 24, 5.0  # two minutes for the model services to come up
 log = logging.getLogger(__name__)
 
 
-def pipeline_mode(value: str) -> str:
-    if value not in PIPELINE_MODES:
-        raise argparse.ArgumentTypeError(f"pipeline must be one of {', '.join(PIPELINE_MODES)}, got {value!r}")
-    return value
-
-
-def row_blocks(value: str) -> str | tuple[int, ...]:
-    """target (asked at start-up), none, or ascending row counts like 1,2,4,8,16."""
-    if value in ("target", "none"):
-        return value
-    try:
-        blocks = tuple(int(rows) for rows in value.split(","))
-        PolicyConfig(row_blocks=blocks).validate()  # ascending, positive
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"row blocks must be target, none or ascending row counts like 1,2,4,8; got {value!r}")
-    return blocks
-
-
-def confidence(value: str) -> float:
-    try:
-        threshold = float(value)
-        PolicyConfig(min_confidence=threshold).validate()  # in [0, 1)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"draft confidence must be a probability in [0, 1), got {value!r}")
-    return threshold
-
-
-def audit_rate(value: str) -> float:
-    try:
-        return audit.validate_rate(float(value))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"audit rate must be a fraction in [0, 1] (0: off), got {value!r}")
-
-
-def parse(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m services.coordinator", description="specd coordinator")
-    settings.add(parser, "--model-dir", type=Path, help="the target's model directory (tokenizer, limits)")
-    settings.add(parser, "--host", default="127.0.0.1", help="address to bind")
-    settings.add(parser, "--port", type=int, default=DEFAULT_PORT, help="gRPC port")
-    settings.add(parser, "--draft-addr", default="127.0.0.1:50052", help="draft replicas, host:port[,host:port...]")
-    settings.add(parser, "--target-addr", default="127.0.0.1:50053", help="target replicas, host:port[,host:port...]")
-    settings.add(parser, "--redis-url", help="session store, e.g. redis://127.0.0.1:6379/0")
-    settings.add(parser, "--session-ttl-s", type=float, default=3600.0, help="idle sessions expire after this")
-    settings.add(parser, "--default-k", type=int, default=Limits.default_k, help="draft tokens per round")
-    settings.add(parser, "--max-k", type=int, default=Limits.max_k, help="largest K a request may ask for")
-    settings.add(parser, "--pipeline", type=pipeline_mode, default="off",
-                 help="draft ahead while the target verifies: off, on, or auto (the cost model decides per session)")
-    settings.add(parser, "--verify-row-blocks", type=row_blocks, default="target",
-                 help="row counts the target pads a verification's K + 1 rows to, so K of one block cost the same: "
-                      "target (what the target reports at start-up), none (as fed), or a list like 1,2,4,8,16")
-    settings.add(parser, "--draft-confidence", type=confidence, default=Limits.min_confidence,
-                 help="adaptive K: the draft stops after a token it gave a probability below this (0: off)")
-    settings.add(parser, "--siblings", default="on", choices=("on", "off"),
-                 help="greedy rounds send the draft's runner-up for the first position, which the target scores "
-                      "in rows its pass pads to anyway (off: never)")
-    settings.add(parser, "--calibrate", default="on", choices=("on", "off"),
-                 help="a deployment with no learnt policy yet times one round per row block at start, so its first "
-                      "sessions need not explore K; health answers SERVING after it (off: they explore)")
-    settings.add(parser, "--audit-rate", type=audit_rate, default=audit.DEFAULT_RATE,
-                 help="this fraction of finished greedy requests is decoded again plainly on the target in the "
-                      "background, one at a time, and any difference from the committed tokens is counted and "
-                      "logged (0: off)")
-    settings.add(parser, "--inject-rtt-ms", type=float, default=0.0,
-                 help="benchmarks: add this round-trip delay to every model-service call")
-    settings.add(parser, "--http-port", type=int, default=DEFAULT_HTTP_PORT, help="REST (OpenAI) port; -1: no REST")
-    settings.add(parser, "--api-keys-file", type=Path, help="API keys, one `name:key` a line (unset: no auth)")
-    settings.add(parser, "--served-model-name", help="the model id REST clients name (default: the model dir's name)")
-    settings.add(parser, "--max-body-bytes", type=int, default=MAX_BODY_BYTES, help="largest REST request body")
-    settings.add(parser, "--metrics-port", type=int, default=0, help="serve Prometheus /metrics on this port (0: off)")
-    args = parser.parse_args(argv)
-    for required in ("model_dir", "redis_url"):
-        if getattr(args, required) is None:
-            flag = required.replace("_", "-")
-            parser.error(f"--{flag} (or {settings.env_name(flag)}) is required")
-    return args
-
-
-def _row_blocks(args: argparse.Namespace) -> tuple[int, ...] | None:
-    """None: the frontend asks the target at start-up."""
-    if args.verify_row_blocks == "target":
-        return None
-    return () if args.verify_row_blocks == "none" else args.verify_row_blocks
-
-
 async def serve(args: argparse.Namespace) -> None:
-    model = load_model_info(args.model_dir)
-    limits = Limits(
-        default_k=args.default_k, max_k=args.max_k, pipeline=args.pipeline, row_blocks=_row_blocks(args),
-        min_confidence=args.draft_confidence, siblings=args.siblings == "on",
-    )
-    drafter, verifier = GrpcDrafter(args.draft_addr.split(",")), GrpcVerifier(args.target_addr.split(","))
-    if args.inject_rtt_ms:
-        rtt_s = args.inject_rtt_ms / 1e3
-        drafter, verifier = NetworkDelay(drafter, rtt_s), NetworkDelay(verifier, rtt_s)
-    services = Services(drafter, verifier, RedisSessionStore(args.redis_url, ttl_s=args.session_ttl_s))
-    frontend = Frontend(services, model, limits, args.audit_rate)
+    drafter, verifier = GrpcDrafter(args.draft_addr), GrpcVerifier(args.target_addr, retry_s=args.target_wait_s)
+    frontend = root.build(args, drafter, verifier)
+    services = frontend.services
     if args.metrics_port:
         serve_metrics(frontend.metrics.registry, args.metrics_port, args.host)
         log.info("coordinator metrics on http://%s:%d/metrics", args.host, args.metrics_port)
-    keys = ApiKeys.from_file(args.api_keys_file) if args.api_keys_file else ApiKeys.open()
-    if not keys.required:
-        log.warning("no --api-keys-file: the coordinator's APIs are open to anyone who can reach them")
-    starting = asyncio.create_task(_start_up(frontend, args.calibrate == "on"))
+    keys = root.api_keys(args)
+    starting = asyncio.create_task(root.start_up(frontend, args.calibrate == "on"))
     server, port = await start_server(
         register(CoordinatorServicer(frontend, keys)), f"{args.host}:{args.port}", warm_up=starting
     )
     log.info("coordinator on %s:%d (draft %s, target %s)", args.host, port, args.draft_addr, args.target_addr)
     http = None
     if args.http_port >= 0:
-        name = args.served_model_name or args.model_dir.resolve().name
+        name = root.served_model_name(args)
         app = create_app(frontend, keys, name, args.max_body_bytes)
         http, http_port = await HttpServer.start(app, args.host, args.http_port)
         log.info("REST gateway on http://%s:%d/v1 (model %r)", args.host, http_port, name)
@@ -150,40 +45,13 @@ async def serve(args: argparse.Namespace) -> None:
         await frontend.auditor.close()
         if http:
             await http.stop()
-        await asyncio.gather(
-            services.drafter.replicas.close(), services.verifier.replicas.close(), services.store.close()
-        )
-
-
-async def _start_up(frontend: Frontend, calibrate: bool) -> None:
-    """The target's row blocks, then start-up calibration, retried while the model services come
-    up (compose and k8s start them in any order); giving up costs only the exploration it would
-    have saved (and prices K as fed)."""
-    for attempt in range(CALIBRATION_ATTEMPTS):
-        try:
-            blocks = await frontend.learn_row_blocks()
-            log.info("the target runs verifications at %s", f"row blocks {blocks}" if blocks else "the rows fed")
-            if not calibrate:
-                return
-            prior = await frontend.seed_prior()
-        except Exception as error:  # any failure: a service not up yet, Redis away
-            log.info("start-up calibration: %s (attempt %d of %d)", error, attempt + 1, CALIBRATION_ATTEMPTS)
-            await asyncio.sleep(CALIBRATION_RETRY_S)
-            continue
-        if prior is None:
-            log.info("start-up calibration: the deployment has a learnt policy already")
-        else:
-            est = prior.estimates
-            log.info("start-up calibration: draft step %.3f s, verify(K) %s", est.draft_step_s,
-                     ", ".join(f"{k}: {t:.3f} s" for k, t in est.verify_s))
-        return
-    log.warning("start-up calibration gave up: the first sessions will explore K")
+        await asyncio.gather(drafter.replicas.close(), verifier.replicas.close(), services.store.close())
 
 
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s coordinator %(levelname)s %(message)s")
     setup_tracing("specd-coordinator")  # before serve() builds the server and channels
-    asyncio.run(serve(parse(argv)))
+    asyncio.run(serve(root.parse(argv)))
 
 
 if __name__ == "__main__":

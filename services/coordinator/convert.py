@@ -52,6 +52,7 @@ def stats_to_proto(
         round_wall_s=stats.round_wall_s,
         reused_drafts=stats.reused,
         sibling_tokens=stats.sibling_tokens,
+        outage_rounds=stats.outage_rounds,
         mode=mode,
     )
 
@@ -69,8 +70,9 @@ def complete_response(done: Finished, prompt_tokens: int) -> coordinator_pb2.Com
     )
 
 
-def session_summary(state: SessionState) -> coordinator_pb2.SessionSummary:
+def session_summary(state: SessionState, include_tokens: bool = False) -> coordinator_pb2.SessionSummary:
     return coordinator_pb2.SessionSummary(
+        token_ids=state.tokens if include_tokens else (),
         session_id=state.session_id,
         length=len(state.tokens),
         mode=state.policy.mode,

@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from specd.contracts import EngineInfo
+from specd.contracts import EngineInfo, ServiceUnavailable
 from specd.loop import Chunk, Finished
 from specd.session import Fenced, SessionNotFound
 from specd.validation import InvalidParams
@@ -227,6 +227,8 @@ def _error(error: Exception) -> tuple[int, dict]:
     if isinstance(error, grpc.aio.AioRpcError):
         status = GRPC_TO_HTTP.get(error.code(), 500)
         return status, error_body(f"model service failed: {error.code().name}: {error.details()}", "server_error")
+    if isinstance(error, ServiceUnavailable):
+        return 503, error_body(f"{error} (the session is kept: retry it)", "server_error")
     if isinstance(error, redis.exceptions.ConnectionError):
         return 503, error_body(f"session store unreachable: {error}", "server_error")
     return 500, error_body("internal error", "server_error")

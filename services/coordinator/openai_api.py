@@ -219,6 +219,7 @@ def stats_json(stats: SessionStats) -> dict:
         "round_wall_s": stats.round_wall_s,
         "reused_drafts": stats.reused,
         "sibling_tokens": stats.sibling_tokens,
+        "outage_rounds": stats.outage_rounds,
     }
 
 

@@ -11,6 +11,7 @@ from typing import AsyncIterator
 import grpc
 import redis.exceptions
 
+from specd.contracts import ServiceUnavailable
 from specd.loop import Chunk, Finished, GenerationRequest
 from specd.validation import InvalidParams
 from specd.session import Fenced, SessionNotFound
@@ -59,7 +60,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         owner = await self._owner(context)
         session_id = await self._session_id(request.session_id, context)
         try:
-            return convert.session_summary(await self.frontend.session(session_id, owner))
+            return convert.session_summary(await self.frontend.session(session_id, owner), request.include_tokens)
         except SessionNotFound as e:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(e.args[0]))
 
@@ -100,6 +101,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         except grpc.aio.AioRpcError as e:
             code = e.code() if e.code() in PASSED_THROUGH else grpc.StatusCode.INTERNAL
             await context.abort(code, f"model service failed: {e.code().name}: {e.details()}")
+        except ServiceUnavailable as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{e} (the session is kept: retry it)")
         except Fenced:
             await context.abort(grpc.StatusCode.ABORTED, f"session {session_id!r} was taken over by a newer request")
         except SessionNotFound as e:

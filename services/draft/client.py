@@ -13,8 +13,11 @@ from services.protogen.specd.v1 import draft_pb2_grpc
 
 
 class GrpcDrafter:
-    def __init__(self, addresses: Sequence[str], timeout_s: float = 60.0, retry_s: float = 60.0):
-        self.replicas = Replicas(addresses, draft_pb2_grpc.DraftServiceStub, retry_s)
+    """`retry_s` 0: one pass over the pool, then ServiceUnavailable (the loop decodes plainly
+    meanwhile; waiting for a draft would only stall the session)."""
+
+    def __init__(self, addresses: str | Sequence[str], timeout_s: float = 60.0, retry_s: float = 0.0):
+        self.replicas = Replicas("draft", addresses, draft_pb2_grpc.DraftServiceStub, retry_s)
         self._timeout_s = timeout_s
 
     async def propose(self, request: ProposeRequest) -> DraftReply:
@@ -28,3 +31,6 @@ class GrpcDrafter:
     async def release(self, session_id: str) -> None:
         ref = session_ref_to_proto(session_id)
         await self.replicas.broadcast(lambda stub: stub.Release(ref, timeout=self._timeout_s))
+
+    async def probe(self) -> bool:
+        return await self.replicas.probe()

@@ -11,12 +11,13 @@ from services.common.replicas import Replicas
 from services.protogen.specd.v1 import target_pb2_grpc
 from services.target import convert
 
+WAIT_S = 60.0  # a round waits this long for some target replica to answer (a restart), then fails
 ENGINE_INFO_TIMEOUT_S = 5.0  # answered off the model's thread: a busy target still answers at once
 
 
 class GrpcVerifier:
-    def __init__(self, addresses: Sequence[str], timeout_s: float = 120.0, retry_s: float = 60.0):
-        self.replicas = Replicas(addresses, target_pb2_grpc.TargetServiceStub, retry_s)
+    def __init__(self, addresses: str | Sequence[str], timeout_s: float = 120.0, retry_s: float = WAIT_S):
+        self.replicas = Replicas("target", addresses, target_pb2_grpc.TargetServiceStub, retry_s)
         self._timeout_s = timeout_s
 
     async def verify(self, request: VerifyRequest) -> VerifyReply:

@@ -71,3 +71,23 @@ class EngineInfo(_message.Message):
     reason: str
     row_blocks: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, instance_id: _Optional[str] = ..., numerics: _Optional[str] = ..., quantize: _Optional[str] = ..., invariant: _Optional[bool] = ..., reason: _Optional[str] = ..., row_blocks: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class LoadRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ReplicaLoad(_message.Message):
+    __slots__ = ("instance_id", "sessions", "max_sessions", "queued", "max_batch", "draining")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    sessions: int
+    max_sessions: int
+    queued: int
+    max_batch: int
+    draining: bool
+    def __init__(self, instance_id: _Optional[str] = ..., sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., queued: _Optional[int] = ..., max_batch: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...

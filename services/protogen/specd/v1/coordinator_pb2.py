@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aspecd/v1/coordinator.proto\x12\x08specd.v1\"$\n\x0eSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x98\x01\n\x0eSessionSummary\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06length\x18\x02 \x01(\r\x12\x0c\n\x04mode\x18\x03 \x01(\t\x12\t\n\x01k\x18\x04 \x01(\r\x12\r\n\x05\x61lpha\x18\x05 \x01(\x01\x12(\n\x05stats\x18\x06 \x01(\x0b\x32\x19.specd.v1.GenerationStats\x12\x10\n\x08requests\x18\x07 \x01(\r\"*\n\x16ReleaseSessionResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xc6\x03\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\'\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x12.specd.v1.TokenIdsH\x00\x12\x17\n\nmax_tokens\x18\x03 \x01(\x05H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x04 \x03(\t\x12\x18\n\x0btemperature\x18\x05 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x06 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05top_p\x18\x07 \x01(\x01H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x05\x88\x01\x01\x12\x1d\n\x10num_draft_tokens\x18\t \x01(\x05H\x06\x88\x01\x01\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x12\n\nsession_id\x18\x0b \x01(\t\x12\x18\n\x0bspeculation\x18\x0c \x01(\x08H\x07\x88\x01\x01\x12\x1d\n\x10max_draft_tokens\x18\r \x01(\x05H\x08\x88\x01\x01\x42\x08\n\x06promptB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seedB\x13\n\x11_num_draft_tokensB\x0e\n\x0c_speculationB\x13\n\x11_max_draft_tokens\"\xa2\x03\n\x0fGenerationStats\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x0e\n\x06rounds\x18\x03 \x01(\r\x12\x16\n\x0e\x64rafted_tokens\x18\x04 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x05 \x01(\r\x12\x1e\n\x16mean_acceptance_length\x18\x06 \x01(\x01\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x07 \x03(\r\x12\x1c\n\x14\x64rafted_per_position\x18\x08 \x03(\r\x12\x11\n\tfallbacks\x18\t \x01(\r\x12\x0c\n\x04mode\x18\n \x01(\t\x12\x0f\n\x07resyncs\x18\x0b \x01(\r\x12\x15\n\rjudged_tokens\x18\x0c \x01(\r\x12\x17\n\x0f\x64raft_compute_s\x18\r \x01(\x01\x12\x18\n\x10verify_compute_s\x18\x0e \x01(\x01\x12\x14\n\x0cround_wall_s\x18\x0f \x01(\x01\x12\x15\n\rreused_drafts\x18\x10 \x01(\r\x12\x16\n\x0esibling_tokens\x18\x11 \x01(\r\"t\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12(\n\x05stats\x18\x04 \x01(\x0b\x32\x19.specd.v1.GenerationStats\"t\n\x10\x43ompleteResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12(\n\x05stats\x18\x04 \x01(\x0b\x32\x19.specd.v1.GenerationStats2\xa5\x02\n\x0b\x43oordinator\x12\x43\n\x08Generate\x12\x19.specd.v1.GenerateRequest\x1a\x1a.specd.v1.GenerateResponse0\x01\x12\x41\n\x08\x43omplete\x12\x19.specd.v1.GenerateRequest\x1a\x1a.specd.v1.CompleteResponse\x12@\n\nGetSession\x12\x18.specd.v1.SessionRequest\x1a\x18.specd.v1.SessionSummary\x12L\n\x0eReleaseSession\x12\x18.specd.v1.SessionRequest\x1a .specd.v1.ReleaseSessionResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aspecd/v1/coordinator.proto\x12\x08specd.v1\"<\n\x0eSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x16\n\x0einclude_tokens\x18\x02 \x01(\x08\"\xab\x01\n\x0eSessionSummary\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06length\x18\x02 \x01(\r\x12\x0c\n\x04mode\x18\x03 \x01(\t\x12\t\n\x01k\x18\x04 \x01(\r\x12\r\n\x05\x61lpha\x18\x05 \x01(\x01\x12(\n\x05stats\x18\x06 \x01(\x0b\x32\x19.specd.v1.GenerationStats\x12\x10\n\x08requests\x18\x07 \x01(\r\x12\x11\n\ttoken_ids\x18\x08 \x03(\r\"*\n\x16ReleaseSessionResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xc6\x03\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\'\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x12.specd.v1.TokenIdsH\x00\x12\x17\n\nmax_tokens\x18\x03 \x01(\x05H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x04 \x03(\t\x12\x18\n\x0btemperature\x18\x05 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x06 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05top_p\x18\x07 \x01(\x01H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x05\x88\x01\x01\x12\x1d\n\x10num_draft_tokens\x18\t \x01(\x05H\x06\x88\x01\x01\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x12\n\nsession_id\x18\x0b \x01(\t\x12\x18\n\x0bspeculation\x18\x0c \x01(\x08H\x07\x88\x01\x01\x12\x1d\n\x10max_draft_tokens\x18\r \x01(\x05H\x08\x88\x01\x01\x42\x08\n\x06promptB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seedB\x13\n\x11_num_draft_tokensB\x0e\n\x0c_speculationB\x13\n\x11_max_draft_tokens\"\xb9\x03\n\x0fGenerationStats\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x0e\n\x06rounds\x18\x03 \x01(\r\x12\x16\n\x0e\x64rafted_tokens\x18\x04 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x05 \x01(\r\x12\x1e\n\x16mean_acceptance_length\x18\x06 \x01(\x01\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x07 \x03(\r\x12\x1c\n\x14\x64rafted_per_position\x18\x08 \x03(\r\x12\x11\n\tfallbacks\x18\t \x01(\r\x12\x0c\n\x04mode\x18\n \x01(\t\x12\x0f\n\x07resyncs\x18\x0b \x01(\r\x12\x15\n\rjudged_tokens\x18\x0c \x01(\r\x12\x17\n\x0f\x64raft_compute_s\x18\r \x01(\x01\x12\x18\n\x10verify_compute_s\x18\x0e \x01(\x01\x12\x14\n\x0cround_wall_s\x18\x0f \x01(\x01\x12\x15\n\rreused_drafts\x18\x10 \x01(\r\x12\x16\n\x0esibling_tokens\x18\x11 \x01(\r\x12\x15\n\routage_rounds\x18\x12 \x01(\r\"t\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12(\n\x05stats\x18\x04 \x01(\x0b\x32\x19.specd.v1.GenerationStats\"t\n\x10\x43ompleteResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12(\n\x05stats\x18\x04 \x01(\x0b\x32\x19.specd.v1.GenerationStats2\xa5\x02\n\x0b\x43oordinator\x12\x43\n\x08Generate\x12\x19.specd.v1.GenerateRequest\x1a\x1a.specd.v1.GenerateResponse0\x01\x12\x41\n\x08\x43omplete\x12\x19.specd.v1.GenerateRequest\x1a\x1a.specd.v1.CompleteResponse\x12@\n\nGetSession\x12\x18.specd.v1.SessionRequest\x1a\x18.specd.v1.SessionSummary\x12L\n\x0eReleaseSession\x12\x18.specd.v1.SessionRequest\x1a .specd.v1.ReleaseSessionResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,21 +32,21 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specd.v1.coordinator_pb2', 
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SESSIONREQUEST']._serialized_start=40
-  _globals['_SESSIONREQUEST']._serialized_end=76
-  _globals['_SESSIONSUMMARY']._serialized_start=79
-  _globals['_SESSIONSUMMARY']._serialized_end=231
-  _globals['_RELEASESESSIONRESPONSE']._serialized_start=233
-  _globals['_RELEASESESSIONRESPONSE']._serialized_end=275
-  _globals['_TOKENIDS']._serialized_start=277
-  _globals['_TOKENIDS']._serialized_end=300
-  _globals['_GENERATEREQUEST']._serialized_start=303
-  _globals['_GENERATEREQUEST']._serialized_end=757
-  _globals['_GENERATIONSTATS']._serialized_start=760
-  _globals['_GENERATIONSTATS']._serialized_end=1178
-  _globals['_GENERATERESPONSE']._serialized_start=1180
-  _globals['_GENERATERESPONSE']._serialized_end=1296
-  _globals['_COMPLETERESPONSE']._serialized_start=1298
-  _globals['_COMPLETERESPONSE']._serialized_end=1414
-  _globals['_COORDINATOR']._serialized_start=1417
-  _globals['_COORDINATOR']._serialized_end=1710
+  _globals['_SESSIONREQUEST']._serialized_end=100
+  _globals['_SESSIONSUMMARY']._serialized_start=103
+  _globals['_SESSIONSUMMARY']._serialized_end=274
+  _globals['_RELEASESESSIONRESPONSE']._serialized_start=276
+  _globals['_RELEASESESSIONRESPONSE']._serialized_end=318
+  _globals['_TOKENIDS']._serialized_start=320
+  _globals['_TOKENIDS']._serialized_end=343
+  _globals['_GENERATEREQUEST']._serialized_start=346
+  _globals['_GENERATEREQUEST']._serialized_end=800
+  _globals['_GENERATIONSTATS']._serialized_start=803
+  _globals['_GENERATIONSTATS']._serialized_end=1244
+  _globals['_GENERATERESPONSE']._serialized_start=1246
+  _globals['_GENERATERESPONSE']._serialized_end=1362
+  _globals['_COMPLETERESPONSE']._serialized_start=1364
+  _globals['_COMPLETERESPONSE']._serialized_end=1480
+  _globals['_COORDINATOR']._serialized_start=1483
+  _globals['_COORDINATOR']._serialized_end=1776
 # @@protoc_insertion_point(module_scope)

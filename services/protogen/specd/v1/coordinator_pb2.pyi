@@ -7,13 +7,15 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SessionRequest(_message.Message):
-    __slots__ = ("session_id",)
+    __slots__ = ("session_id", "include_tokens")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
-    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+    include_tokens: bool
+    def __init__(self, session_id: _Optional[str] = ..., include_tokens: _Optional[bool] = ...) -> None: ...
 
 class SessionSummary(_message.Message):
-    __slots__ = ("session_id", "length", "mode", "k", "alpha", "stats", "requests")
+    __slots__ = ("session_id", "length", "mode", "k", "alpha", "stats", "requests", "token_ids")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
@@ -21,6 +23,7 @@ class SessionSummary(_message.Message):
     ALPHA_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     length: int
     mode: str
@@ -28,7 +31,8 @@ class SessionSummary(_message.Message):
     alpha: float
     stats: GenerationStats
     requests: int
-    def __init__(self, session_id: _Optional[str] = ..., length: _Optional[int] = ..., mode: _Optional[str] = ..., k: _Optional[int] = ..., alpha: _Optional[float] = ..., stats: _Optional[_Union[GenerationStats, _Mapping]] = ..., requests: _Optional[int] = ...) -> None: ...
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., length: _Optional[int] = ..., mode: _Optional[str] = ..., k: _Optional[int] = ..., alpha: _Optional[float] = ..., stats: _Optional[_Union[GenerationStats, _Mapping]] = ..., requests: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReleaseSessionResponse(_message.Message):
     __slots__ = ("released",)
@@ -73,7 +77,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., session_id: _Optional[str] = ..., speculation: _Optional[bool] = ..., max_draft_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "rounds", "drafted_tokens", "accepted_tokens", "mean_acceptance_length", "accepted_per_position", "drafted_per_position", "fallbacks", "mode", "resyncs", "judged_tokens", "draft_compute_s", "verify_compute_s", "round_wall_s", "reused_drafts", "sibling_tokens")
+    __slots__ = ("prompt_tokens", "completion_tokens", "rounds", "drafted_tokens", "accepted_tokens", "mean_acceptance_length", "accepted_per_position", "drafted_per_position", "fallbacks", "mode", "resyncs", "judged_tokens", "draft_compute_s", "verify_compute_s", "round_wall_s", "reused_drafts", "sibling_tokens", "outage_rounds")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +95,7 @@ class GenerationStats(_message.Message):
     ROUND_WALL_S_FIELD_NUMBER: _ClassVar[int]
     REUSED_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     SIBLING_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OUTAGE_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     rounds: int
@@ -108,7 +113,8 @@ class GenerationStats(_message.Message):
     round_wall_s: float
     reused_drafts: int
     sibling_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., mean_acceptance_length: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., drafted_per_position: _Optional[_Iterable[int]] = ..., fallbacks: _Optional[int] = ..., mode: _Optional[str] = ..., resyncs: _Optional[int] = ..., judged_tokens: _Optional[int] = ..., draft_compute_s: _Optional[float] = ..., verify_compute_s: _Optional[float] = ..., round_wall_s: _Optional[float] = ..., reused_drafts: _Optional[int] = ..., sibling_tokens: _Optional[int] = ...) -> None: ...
+    outage_rounds: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., mean_acceptance_length: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., drafted_per_position: _Optional[_Iterable[int]] = ..., fallbacks: _Optional[int] = ..., mode: _Optional[str] = ..., resyncs: _Optional[int] = ..., judged_tokens: _Optional[int] = ..., draft_compute_s: _Optional[float] = ..., verify_compute_s: _Optional[float] = ..., round_wall_s: _Optional[float] = ..., reused_drafts: _Optional[int] = ..., sibling_tokens: _Optional[int] = ..., outage_rounds: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("token_ids", "text", "finish_reason", "stats")

@@ -56,6 +56,11 @@ class DraftServiceStub:
                 request_serializer=specd_dot_v1_dot_common__pb2.EngineInfoRequest.SerializeToString,
                 response_deserializer=specd_dot_v1_dot_common__pb2.EngineInfo.FromString,
                 _registered_method=True)
+        self.GetLoad = channel.unary_unary(
+                '/specd.v1.DraftService/GetLoad',
+                request_serializer=specd_dot_v1_dot_common__pb2.LoadRequest.SerializeToString,
+                response_deserializer=specd_dot_v1_dot_common__pb2.ReplicaLoad.FromString,
+                _registered_method=True)
 
 
 class DraftServiceServicer:
@@ -88,6 +93,13 @@ class DraftServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetLoad(self, request, context):
+        """polled by clients for placement
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DraftServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -110,6 +122,11 @@ def add_DraftServiceServicer_to_server(servicer, server):
                     servicer.GetEngineInfo,
                     request_deserializer=specd_dot_v1_dot_common__pb2.EngineInfoRequest.FromString,
                     response_serializer=specd_dot_v1_dot_common__pb2.EngineInfo.SerializeToString,
+            ),
+            'GetLoad': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetLoad,
+                    request_deserializer=specd_dot_v1_dot_common__pb2.LoadRequest.FromString,
+                    response_serializer=specd_dot_v1_dot_common__pb2.ReplicaLoad.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -221,6 +238,33 @@ class DraftService:
             '/specd.v1.DraftService/GetEngineInfo',
             specd_dot_v1_dot_common__pb2.EngineInfoRequest.SerializeToString,
             specd_dot_v1_dot_common__pb2.EngineInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetLoad(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specd.v1.DraftService/GetLoad',
+            specd_dot_v1_dot_common__pb2.LoadRequest.SerializeToString,
+            specd_dot_v1_dot_common__pb2.ReplicaLoad.FromString,
             options,
             channel_credentials,
             insecure,

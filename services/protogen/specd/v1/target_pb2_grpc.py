@@ -61,6 +61,11 @@ class TargetServiceStub:
                 request_serializer=specd_dot_v1_dot_common__pb2.EngineInfoRequest.SerializeToString,
                 response_deserializer=specd_dot_v1_dot_common__pb2.EngineInfo.FromString,
                 _registered_method=True)
+        self.GetLoad = channel.unary_unary(
+                '/specd.v1.TargetService/GetLoad',
+                request_serializer=specd_dot_v1_dot_common__pb2.LoadRequest.SerializeToString,
+                response_deserializer=specd_dot_v1_dot_common__pb2.ReplicaLoad.FromString,
+                _registered_method=True)
 
 
 class TargetServiceServicer:
@@ -100,6 +105,13 @@ class TargetServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetLoad(self, request, context):
+        """polled by clients for placement
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TargetServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -127,6 +139,11 @@ def add_TargetServiceServicer_to_server(servicer, server):
                     servicer.GetEngineInfo,
                     request_deserializer=specd_dot_v1_dot_common__pb2.EngineInfoRequest.FromString,
                     response_serializer=specd_dot_v1_dot_common__pb2.EngineInfo.SerializeToString,
+            ),
+            'GetLoad': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetLoad,
+                    request_deserializer=specd_dot_v1_dot_common__pb2.LoadRequest.FromString,
+                    response_serializer=specd_dot_v1_dot_common__pb2.ReplicaLoad.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -265,6 +282,33 @@ class TargetService:
             '/specd.v1.TargetService/GetEngineInfo',
             specd_dot_v1_dot_common__pb2.EngineInfoRequest.SerializeToString,
             specd_dot_v1_dot_common__pb2.EngineInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetLoad(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specd.v1.TargetService/GetLoad',
+            specd_dot_v1_dot_common__pb2.LoadRequest.SerializeToString,
+            specd_dot_v1_dot_common__pb2.ReplicaLoad.FromString,
             options,
             channel_credentials,
             insecure,
