@@ -177,6 +177,7 @@ class ReplicaLoad:
     queued: int  # calls waiting for the model
     max_batch: int  # calls one pass takes
     draining: bool = False  # stopping: finishing its calls, refusing new ones
+    cached_tokens: int = 0  # positions held in its KV caches, all sessions together
 
     @property
     def has_room(self) -> bool:

@@ -10,8 +10,10 @@ import time
 from pathlib import Path
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services import cli
 from services.common.redis_server import free_port
 from services.protogen.specd.v1 import coordinator_pb2_grpc
 
@@ -85,3 +87,16 @@ def coordinator(
     pools = [",".join(p) if isinstance(p, list) else p for p in (drafts, targets)]
     args = ["--model-dir", str(target_dir), "--draft-addr", pools[0], "--target-addr", pools[1]]
     return ServiceProcess("coordinator", [*args, "--redis-url", redis_url, "--http-port", "0", *extra], log_dir)
+
+
+def up_commands(monkeypatch, *argv: str) -> dict[str, list[str]]:
+    """The service command lines `specd up` would start with these flags."""
+    parsed = []
+    monkeypatch.setattr(cli, "cmd_up", lambda args: parsed.append(args) or 0)
+    with pytest.raises(SystemExit):
+        cli.main(["up", *argv])
+    return cli._commands(parsed[0], {"draft": Path("d"), "target": Path("t")}, "redis://r", None)
+
+
+def value(command: list[str], flag: str) -> str:
+    return command[command.index(flag) + 1]

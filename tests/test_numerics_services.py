@@ -19,6 +19,7 @@ from services.common.metrics import exposition
 from services.coordinator.frontend import Frontend
 from services.coordinator.requests import Limits
 from services.protogen.specd.v1 import common_pb2, coordinator_pb2, draft_pb2_grpc, target_pb2_grpc
+from tests.procs import up_commands, value
 from tests.cluster import Cluster
 
 PROMPTS = [
@@ -159,26 +160,13 @@ def test_specd_up_and_serve_ray_refuse_an_int8_target(capsys):
                            "target_quantize": "int8"})
 
 
-def up_commands(monkeypatch, *argv: str) -> dict[str, list[str]]:
-    """The service command lines `specd up` would start with these flags."""
-    parsed = []
-    monkeypatch.setattr(cli, "cmd_up", lambda args: parsed.append(args) or 0)
-    with pytest.raises(SystemExit):
-        cli.main(["up", *argv])
-    return cli._commands(parsed[0], {"draft": Path("d"), "target": Path("t")}, "redis://r", None)
-
-
-def value(command: list[str], flag: str) -> str:
-    return command[command.index(flag) + 1]
-
-
 def test_specd_up_passes_each_roles_quantize_with_the_defaults_in_one_place(monkeypatch):
     assert settings.QUANTIZE_MODES == numerics.MODES  # the torch-free copy
     assert model_main.parse("target", 1, ["--model-dir", "m"]).quantize == settings.SERVICE_QUANTIZE == "none"
     commands = up_commands(monkeypatch)
-    assert {role: value(commands[role], "--quantize") for role in ("draft", "target")} == settings.LAUNCH_QUANTIZE
+    assert {role: value(commands[f"{role}-0"], "--quantize") for role in ("draft", "target")} == settings.LAUNCH_QUANTIZE
     assert settings.LAUNCH_QUANTIZE == {"draft": "auto", "target": "auto"}
     commands = up_commands(monkeypatch, "--target-quantize", "none", "--draft-quantize", "int8")
-    assert (value(commands["target"], "--quantize"), value(commands["draft"], "--quantize")) == ("none", "int8")
+    assert (value(commands["target-0"], "--quantize"), value(commands["draft-0"], "--quantize")) == ("none", "int8")
     monkeypatch.setenv("SPECD_TARGET_QUANTIZE", "none")
-    assert value(up_commands(monkeypatch)["target"], "--quantize") == "none"
+    assert value(up_commands(monkeypatch)["target-0"], "--quantize") == "none"

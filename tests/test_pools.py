@@ -7,6 +7,7 @@ so every run places the sessions the same way. Output must equal the target alon
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -17,7 +18,7 @@ import pytest
 from services.common import placement
 from services.common.redis_server import LocalRedis
 from services.common.replicas import REFRESH_S
-from services.protogen.specd.v1 import common_pb2, coordinator_pb2, target_pb2_grpc
+from services.protogen.specd.v1 import common_pb2, coordinator_pb2, target_pb2, target_pb2_grpc
 from tests.procs import ServiceProcess, coordinator, model_service, stub
 
 PORT = 51753
@@ -177,3 +178,117 @@ def test_no_target_fails_unavailable_after_a_bounded_wait_and_the_session_resume
         assert list(summary.token_ids) == history  # everything streamed was kept, nothing more
         reply = turn(coord, "no-target", " Go on.")
         assert list(reply.token_ids) == target_alone(history + model.encode(" Go on."), N)
+
+
+def test_a_stopping_target_replica_hands_its_sessions_on_without_an_error(procs, tiny_pair, tmp_path, model,
+                                                                          target_alone):
+    """SIGTERM (a rollout, a node drain) of the replica serving a stream: it finishes the round it
+    has, refuses the next, and the stream goes on on the other replica, unchanged."""
+    draft_dir, target_dir = tiny_pair
+    targets = [model_service("target", target_dir, tmp_path) for _ in range(2)]
+    with LocalRedis() as redis:
+        (draft, *_) = procs(model_service("draft", draft_dir, tmp_path), *targets)
+        (coord,) = procs(coordinator(target_dir, [draft.address], [t.address for t in targets], redis.url, tmp_path))
+        prompt = "Drained, not dropped:"
+        request = coordinator_pb2.GenerateRequest(text=prompt, max_tokens=240, session_id="drained", ignore_eos=True,
+                                                  num_draft_tokens=3)
+        chunks, stopping = [], None
+        for chunk in stub(coord).Generate(request, timeout=180):
+            chunks.append(chunk)
+            if len(chunks) == 3:
+                placed = placement.rank("drained", [t.address for t in targets])[0]
+                stopping = next(t for t in targets if t.address == placed)
+                stopping.proc.terminate()
+        assert stopping.proc.wait(timeout=30) == 0  # a clean exit after draining
+        tokens = [t for c in chunks for t in c.token_ids]
+        assert tokens == target_alone(model.encode(prompt), 240)
+        assert chunks[-1].stats.resyncs >= 1  # the session moved to the other replica
+
+
+def test_one_draft_batches_sessions_of_every_target_replica(tiny_pair, redis_url, model, target_alone):
+    """Any draft replica serves any session: the draft is addressed by session, not by target,
+    so sessions placed on different target replicas share its passes."""
+    from specd.engine import EngineConfig
+    from services.common.server import start_server
+    from services.coordinator.frontend import Frontend
+    from services.coordinator.requests import Limits
+    from services.coordinator.store import RedisSessionStore
+    from services.draft import server as draft_server
+    from services.draft.client import GrpcDrafter
+    from services.target import server as target_server
+    from services.target.client import GrpcVerifier
+    from specd.loop import Finished, GenerationRequest, Services
+    from specd.sampling import SamplingParams
+    from specd.stopping import StopRules
+
+    draft_dir, target_dir = tiny_pair
+    draft = draft_server.DraftServicer.load(EngineConfig(draft_dir, dtype="float64"), "draft")
+    targets = [target_server.TargetServicer.load(EngineConfig(target_dir, dtype="float64"), "target") for _ in range(2)]
+    batches: list[list[str]] = []
+    engine_batch = draft._engine_batch
+    draft._engine_batch = lambda requests: (batches.append([r.session_id for r in requests]), engine_batch(requests))[1]
+    prompts = {f"shared-draft-{i}": model.encode(f"Session {i} says:") for i in range(8)}
+
+    async def run() -> dict[str, list[int]]:
+        servers = []
+        for register in (draft_server.register(draft), *(target_server.register(t) for t in targets)):
+            servers.append(await start_server(register, "127.0.0.1:0"))
+        draft_addr, *target_addrs = (f"127.0.0.1:{port}" for _, port in servers)
+        services = Services(GrpcDrafter([draft_addr]), GrpcVerifier(target_addrs), RedisSessionStore(redis_url))
+        frontend = Frontend(services, model, Limits())
+
+        async def one(session: str) -> list[int]:
+            request = GenerationRequest(tuple(prompts[session]), StopRules(24, ignore_eos=True), SamplingParams(),
+                                        fixed_k=3)
+            events = [e async for e in frontend.generate(request, session)]
+            assert isinstance(events[-1], Finished)
+            return list(events[-1].token_ids)
+
+        try:
+            outputs = await asyncio.gather(*(one(s) for s in prompts))
+            return dict(zip(prompts, outputs))
+        finally:
+            await services.drafter.replicas.close()
+            await services.verifier.replicas.close()
+            await services.store.close()
+            for server, _ in servers:
+                await server.stop(0)
+
+    try:
+        outputs = asyncio.run(run())
+        holder = {s: i for i, t in enumerate(targets) for s in prompts if t.engine.position(s) > 0}
+    finally:
+        for servicer in (draft, *targets):
+            servicer.close()
+    for session, ids in prompts.items():
+        assert outputs[session] == target_alone(ids, 24)
+    assert set(holder.values()) == {0, 1}  # the sessions spread over both target replicas
+    mixed = [b for b in batches if len({holder[s] for s in b}) == 2]
+    assert mixed, f"no draft pass served sessions of both targets: {batches}"
+
+
+def test_replicas_report_their_load_and_a_draining_one_refuses_new_calls(tiny_pair, redis_url):
+    from services.common.convert import LOAD_REQUEST
+    from services.protogen.specd.v1 import draft_pb2_grpc
+    from tests.cluster import Cluster
+
+    cluster = Cluster(*tiny_pair, redis_url)
+    try:
+        with grpc.insecure_channel(cluster.address("coordinator")) as channel:
+            request = coordinator_pb2.GenerateRequest(text="Load me.", max_tokens=8, session_id="loaded")
+            cluster.coordinator(channel).Complete(request, timeout=60)
+        with grpc.insecure_channel(cluster.address("target")) as channel:
+            target = target_pb2_grpc.TargetServiceStub(channel)
+            load = target.GetLoad(LOAD_REQUEST, timeout=10)
+            assert (load.sessions, load.max_sessions, load.max_batch, load.draining) == (1, 64, 8, False)
+            assert load.cached_tokens > 0 and load.instance_id == cluster.target_engine.instance_id
+            cluster._run(cluster.target.drain(1.0))
+            assert target.GetLoad(LOAD_REQUEST, timeout=10).draining
+            step = target_pb2.StepRequest(session_id="other", sync=common_pb2.SyncPoint(tokens=[1, 2]))
+            with pytest.raises(grpc.RpcError) as refused:
+                target.Step(step, timeout=10)
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and "stopping" in refused.value.details()
+        with grpc.insecure_channel(cluster.address("draft")) as channel:
+            assert draft_pb2_grpc.DraftServiceStub(channel).GetLoad(LOAD_REQUEST, timeout=10).sessions == 1
+    finally:
+        cluster.close()

@@ -8,6 +8,7 @@ import signal
 import time
 
 from services.common.supervisor import Supervisor
+from tests.procs import up_commands, value
 
 SLEEPER = ["-c", "import time; time.sleep(600)"]
 CRASHER = ["-c", "raise SystemExit(3)"]
@@ -52,3 +53,15 @@ def test_a_crash_loop_backs_off_doubling():
     waits = [float(line.split("restarting it in ")[1].rstrip("s")) for line in lines if "died" in line]
     assert waits[:3] == [0.05, 0.1, 0.2]
     assert all("exit code 3" in line for line in lines if "died" in line)
+
+
+def test_specd_up_runs_local_pools_through_the_coordinators_pool_flags(monkeypatch):
+    commands = up_commands(monkeypatch, "--draft-replicas", "2", "--target-replicas", "3", "--target-port", "6000",
+                           "--target-metrics-port", "0")
+    assert sorted(commands) == ["coordinator", "draft-0", "draft-1", "target-0", "target-1", "target-2"]
+    assert [value(commands[f"target-{i}"], "--port") for i in range(3)] == ["6000", "6100", "6200"]
+    assert {value(commands[f"target-{i}"], "--metrics-port") for i in range(3)} == {"0"}
+    assert value(commands["draft-1"], "--metrics-port") == "9201"
+    coordinator = commands["coordinator"]
+    assert value(coordinator, "--target-addr") == "127.0.0.1:6000,127.0.0.1:6100,127.0.0.1:6200"
+    assert value(coordinator, "--draft-addr") == "127.0.0.1:50052,127.0.0.1:50152"

@@ -28,11 +28,13 @@ def engine_info_from_proto(msg: common_pb2.EngineInfo) -> EngineInfo:
 
 def load_to_proto(load: ReplicaLoad) -> common_pb2.ReplicaLoad:
     return common_pb2.ReplicaLoad(instance_id=load.instance_id, sessions=load.sessions, max_sessions=load.max_sessions,
-                                  queued=load.queued, max_batch=load.max_batch, draining=load.draining)
+                                  queued=load.queued, max_batch=load.max_batch, draining=load.draining,
+                                  cached_tokens=load.cached_tokens)
 
 
 def load_from_proto(msg: common_pb2.ReplicaLoad) -> ReplicaLoad:
-    return ReplicaLoad(msg.instance_id, msg.sessions, msg.max_sessions, msg.queued, msg.max_batch, msg.draining)
+    return ReplicaLoad(msg.instance_id, msg.sessions, msg.max_sessions, msg.queued, msg.max_batch, msg.draining,
+                       msg.cached_tokens)
 
 
 def session_ref_to_proto(session_id: str) -> common_pb2.SessionRef:

@@ -26,6 +26,10 @@ class LocalProcess:
         self.log_path = self.dir / log_name
         self._proc: subprocess.Popen | None = None
 
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None and self._proc.poll() is None else None
+
     def launch(self) -> subprocess.Popen:
         """Start the process (writing its log to `log_path`)."""
         raise NotImplementedError

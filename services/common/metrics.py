@@ -178,6 +178,7 @@ class ModelMetrics:
             registry=r,
         )
         self._evictions_seen = 0
+        self.cached_sessions = self.cached_tokens = 0  # as of the last engine_changed (any thread may read them)
 
     def engine_loaded(self, info: EngineInfo) -> None:
         self.numerics.labels(info.numerics, info.quantize, str(info.invariant).lower()).set(1)
@@ -185,8 +186,9 @@ class ModelMetrics:
     def engine_changed(self, engine: ModelEngine) -> None:
         """Snapshot the caches. Call on the engine's worker thread: the engine is not safe to
         read while a call is changing it, and it changes only there."""
-        self.sessions.set(engine.session_count())
-        self.tokens.set(engine.cached_tokens())
+        self.cached_sessions, self.cached_tokens = engine.session_count(), engine.cached_tokens()
+        self.sessions.set(self.cached_sessions)
+        self.tokens.set(self.cached_tokens)
         self.evictions.inc(engine.evictions - self._evictions_seen)
         self._evictions_seen = engine.evictions
 

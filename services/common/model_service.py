@@ -71,9 +71,10 @@ class ModelServicer(Generic[Request, Reply]):
             await asyncio.sleep(0.01)
 
     def replica_load(self) -> ReplicaLoad:
-        """How busy it is; read off the worker thread (a count a pass may be changing is fine for placement)."""
-        return ReplicaLoad(self.engine.instance_id, self.engine.session_count(), self.engine.config.max_sessions,
-                           self.batcher.waiting, self.batcher.batching.max_batch, self.draining)
+        """How busy it is, as of its last pass (the caches are read on the worker thread only)."""
+        m = self.metrics
+        return ReplicaLoad(self.engine.instance_id, m.cached_sessions, self.engine.config.max_sessions,
+                           self.batcher.waiting, self.batcher.batching.max_batch, self.draining, m.cached_tokens)
 
     # -- what each role fills in ------------------------------------------------------------------
 

@@ -77,17 +77,19 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ReplicaLoad(_message.Message):
-    __slots__ = ("instance_id", "sessions", "max_sessions", "queued", "max_batch", "draining")
+    __slots__ = ("instance_id", "sessions", "max_sessions", "queued", "max_batch", "draining", "cached_tokens")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
     MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     sessions: int
     max_sessions: int
     queued: int
     max_batch: int
     draining: bool
-    def __init__(self, instance_id: _Optional[str] = ..., sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., queued: _Optional[int] = ..., max_batch: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, instance_id: _Optional[str] = ..., sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., queued: _Optional[int] = ..., max_batch: _Optional[int] = ..., draining: _Optional[bool] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
