@@ -177,7 +177,14 @@ def test_a_session_belongs_to_the_key_that_created_it(cluster, client):
             )
         assert error.value.code() == grpc.StatusCode.NOT_FOUND
     assert alice.post("/v1/completions", json=turn).status_code == 200
-    assert alice.get(f"/v1/sessions/{session}").json()["requests"] == 2
+    summary = alice.get(f"/v1/sessions/{session}", params={"include_tokens": "true"}).json()
+    assert summary["requests"] == 2 and len(summary["token_ids"]) == summary["length"]
+    with grpc.insecure_channel(cluster.address("coordinator")) as channel:
+        by_grpc = cluster.coordinator(channel).GetSession(
+            coordinator_pb2.SessionRequest(session_id=session, include_tokens=True),
+            metadata=[("authorization", f"Bearer {ALICE}")],
+        )
+    assert list(by_grpc.token_ids) == summary["token_ids"] and "token_ids" not in alice.get(f"/v1/sessions/{session}").json()
     assert alice.delete(f"/v1/sessions/{session}").json()["released"] is True
     assert alice.get(f"/v1/sessions/{session}").status_code == 404
 

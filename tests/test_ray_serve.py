@@ -4,8 +4,10 @@ token for token, and a multi-turn session stays on its replicas (never resent)."
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import time
 
 import httpx
 import pytest
@@ -18,7 +20,13 @@ N_TOKENS = 16
 
 
 @pytest.fixture(scope="module")
-def ray_app(tiny_pair, redis_url):
+def ray_redis_url(redis_url) -> str:
+    """A database of its own: the ingress's start-up calibration writes the deployment's first prior there."""
+    return redis_url.rsplit("/", 1)[0] + "/7"
+
+
+@pytest.fixture(scope="module")
+def ray_app(tiny_pair, ray_redis_url):
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
     from ray import serve
@@ -30,9 +38,9 @@ def ray_app(tiny_pair, redis_url):
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        args = {"target_model_dir": str(target_dir), "draft_model_dir": str(draft_dir), "redis_url": redis_url,
+        args = {"target_model_dir": str(target_dir), "draft_model_dir": str(draft_dir), "redis_url": ray_redis_url,
                 "dtype": "float64", "draft_replicas": "2", "target_replicas": "2", "draft_cpus": "0.5",
-                "target_cpus": "0.5", "coordinator_flags": "--default-k 3 --calibrate off"}
+                "target_cpus": "0.5", "coordinator_flags": "--default-k 3"}
         serve.run(build_app(args), name="specd", route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:
@@ -74,6 +82,18 @@ def test_a_multi_turn_session_stays_on_its_replicas(ray_app, tiny_pair):
             history += expected
 
 
+def test_the_ray_ingress_calibrates_at_start_up_as_the_coordinator_does(ray_app, ray_redis_url):
+    import redis
+
+    with redis.Redis.from_url(ray_redis_url) as store:
+        deadline = time.monotonic() + 120
+        while store.get("specd:policy-prior") is None:
+            assert time.monotonic() < deadline, "no start-up calibration wrote the deployment's prior"
+            time.sleep(0.5)
+        prior = json.loads(store.get("specd:policy-prior"))
+    assert prior["estimates"]["draft_step_s"] > 0 and len(prior["estimates"]["verify_s"]) > 1
+
+
 def test_the_coordinator_flags_are_checked_when_the_app_is_built(tiny_pair, redis_url):
     from services.ray_app import build_app
 
@@ -99,7 +119,6 @@ def test_specd_serve_ray_serves_then_stops_on_a_signal(tiny_pair, redis_url, tmp
     exit with Ray torn down."""
     import subprocess
     import sys
-    import time
 
     port = free_port()
     command = [sys.executable, "-m", "services.cli", "serve-ray", "--num-cpus", "2", "--http-port", str(port),

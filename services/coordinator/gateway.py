@@ -99,10 +99,12 @@ def create_app(frontend: Frontend, keys: ApiKeys, model_name: str, max_body_byte
         return await _respond(frontend, Reply("chat", model_name), body, client_request, who, request)
 
     @app.get("/v1/sessions/{session_id}", tags=["specd"])
-    async def get_session(session_id: str, who: str = Depends(owner)) -> dict:
+    async def get_session(session_id: str, include_tokens: bool = False, who: str = Depends(owner)) -> dict:
+        """`include_tokens`: the committed tokens too (a client resuming after a lost stream)."""
         state = await frontend.session(requests.session_id(session_id), who)
         policy = state.policy
-        return {
+        tokens = {"token_ids": list(state.tokens)} if include_tokens else {}
+        return tokens | {
             "session_id": state.session_id,
             "length": len(state.tokens),
             "requests": state.requests,
