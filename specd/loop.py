@@ -12,7 +12,6 @@ answers, rounds are plain target steps (`DraftOutage`): output is the same, only
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from dataclasses import dataclass, field, replace
 from typing import AsyncIterator, Awaitable, Callable, Protocol, Sequence, TypeVar
@@ -30,16 +29,14 @@ from specd.contracts import (
     VerifyReply,
     VerifyRequest,
 )
+from specd.outage import DraftOutage
 from specd.policy import PolicyConfig, PolicyState, RoundObservation, inherit, lookahead, next_k, observe
 from specd.session import ServiceCursor, SessionState, SessionStats, SessionStore
 from specd.stopping import Decode, StopChecker, StopRules
 
 EMPTY_PROPOSAL = Proposal((), ())
-DRAFT_TIMEOUT_S = 2.0  # a proposal slower than this counts as no draft replica answering
-DRAFT_PROBE_S = 0.5  # while none answers, ask the pool again this often
 T = TypeVar("T")
 tracer = trace.get_tracer(__name__)  # the vendor-neutral API: a no-op until a service installs a provider
-log = logging.getLogger(__name__)
 
 
 class Drafter(Protocol):
@@ -109,41 +106,6 @@ class _Cursor:
 
     def frozen(self) -> ServiceCursor:
         return ServiceCursor(self.position, self.instance_id)
-
-
-@dataclass
-class DraftOutage:
-    """Whether the draft pool answers, shared by a coordinator's sessions. A proposal that no
-    replica answered within `timeout_s` starts an outage: rounds are plain target steps at once,
-    and one background probe asks the pool every `probe_s` until a replica answers again."""
-
-    timeout_s: float = DRAFT_TIMEOUT_S
-    probe_s: float = DRAFT_PROBE_S
-    down: bool = False
-    outages: int = 0
-    _probing: asyncio.Task | None = None
-
-    def drafting(self, drafter: Drafter) -> bool:
-        """May this round draft? (During an outage: no, and a probe is running.)"""
-        if self.down and (self._probing is None or self._probing.done()):
-            self._probing = asyncio.get_running_loop().create_task(self._probe(drafter))
-        return not self.down
-
-    def lost(self, error: BaseException) -> None:
-        if not self.down:
-            self.down, self.outages = True, self.outages + 1
-            log.warning("no draft replica answers (%s): decoding plainly until one does", error or type(error).__name__)
-
-    async def _probe(self, drafter: Drafter) -> None:
-        while self.down:
-            try:
-                if await asyncio.wait_for(drafter.probe(), self.timeout_s):
-                    self.down = False
-                    log.info("a draft replica answers again: speculating")
-                    return
-            except Exception:  # noqa: BLE001 - any failure means: not yet
-                pass
-            await asyncio.sleep(self.probe_s)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,8 @@ from dataclasses import replace
 import pytest
 
 from specd.contracts import SamplingParams, VerifyReply
-from specd.loop import Chunk, DraftOutage, Finished, GenerationRequest, RoundRecord, Services, generate
+from specd.loop import Chunk, Finished, GenerationRequest, RoundRecord, Services, generate
+from specd.outage import DraftOutage
 from specd.policy import PolicyConfig
 from specd.session import Fenced
 from specd.stopping import StopRules

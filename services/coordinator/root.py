@@ -12,7 +12,8 @@ import logging
 from pathlib import Path
 
 from specd import audit
-from specd.loop import DRAFT_TIMEOUT_S, DraftOutage, Drafter, Services, Verifier
+from specd.loop import Drafter, Services, Verifier
+from specd.outage import DRAFT_TIMEOUT_S, DraftOutage
 from specd.policy import PIPELINE_MODES, PolicyConfig
 from services.common import discovery, settings
 from services.common.client import NetworkDelay
