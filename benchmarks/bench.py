@@ -212,7 +212,7 @@ def hf_runs(cfg: BenchConfig, prompts: list[Prompt], draft_dir: Path, target_dir
 # --- through the services ------------------------------------------------------------------
 
 STAT_FIELDS = (
-    "rounds", "drafted_tokens", "accepted_tokens", "judged_tokens", "fallbacks", "sibling_tokens",
+    "rounds", "drafted_tokens", "accepted_tokens", "judged_tokens", "fallbacks", "sibling_tokens", "outage_rounds",
     "draft_compute_s", "verify_compute_s", "round_wall_s",
 )
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import platform
 import subprocess
 import sys
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -84,6 +86,8 @@ def specd_up(*flags: str, timeout_s: float = 600):
                 raise TimeoutError("specd up did not come up")
         else:
             raise RuntimeError(f"specd up exited with {proc.wait()}")
+        # Read (and drop) its output from here on, which the services log to: a full pipe would block them.
+        threading.Thread(target=collections.deque, args=(proc.stdout, 0), daemon=True).start()
         with grpc.insecure_channel(f"127.0.0.1:{ports['coordinator']}") as channel:
             yield Up(coordinator_pb2_grpc.CoordinatorStub(channel), proc.pid)
     finally:
