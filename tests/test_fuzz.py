@@ -58,6 +58,30 @@ def test_rest_api_never_answers_5xx(cluster, mode):
     call()
 
 
+# Any code point, lone surrogates and NUL included; sometimes far past the prompt limit.
+unicode_text = st.one_of(
+    st.text(st.characters(codec=None, categories=["Cs", "Cc", "L", "N", "P", "S", "Z"]), max_size=64),
+    st.builds(lambda c, n: c * n, st.sampled_from(["\0", "\ud800", "é", "𝔘"]), st.integers(1, 3000)),
+)
+
+
+@given(prompt=unicode_text, stop=st.lists(unicode_text, max_size=3), chat=st.booleans())
+@FUZZ
+def test_rest_text_fields_with_any_code_points_never_answer_5xx(cluster, prompt, stop, chat):
+    import json
+
+    import httpx
+
+    fields = {"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt}
+    body = json.dumps({"model": "tiny-target", "max_tokens": 2, "stop": stop} | fields)  # "\ud800" escapes
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    reply = httpx.post(cluster.base_url + path, content=body, headers=AUTH | {"content-type": "application/json"},
+                       timeout=60)
+    assert reply.status_code < 500, reply.text
+    if reply.status_code >= 400:
+        assert reply.json()["error"]["message"], reply.text
+
+
 def test_rest_server_still_serves_after_the_fuzzing(cluster):
     import httpx
 

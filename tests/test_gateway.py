@@ -332,3 +332,35 @@ def test_grpcurl_lists_and_calls_every_service_by_reflection(cluster):
     body = json.dumps({"text": "Once upon a time", "max_tokens": 3})
     reply = grpcurl("-H", f"authorization: Bearer {ALICE}", "-d", body, cluster.address("coordinator"), "specd.v1.Coordinator/Complete")
     assert len(json.loads(reply)["token_ids"]) == 3
+
+
+@pytest.mark.parametrize("path, fields", [
+    ("/v1/completions", {"prompt": "a\ud800b"}),
+    ("/v1/completions", {"prompt": ["\udfff"]}),
+    ("/v1/completions", {"prompt": "fine", "stop": ["\ud800"]}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi \ud800"}]}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "\udc00"}]}]}),
+], ids=["prompt", "prompt-list", "stop", "chat", "chat-part"])
+def test_lone_surrogates_are_a_400_not_a_500(cluster, path, fields):
+    body = json.dumps({"model": MODEL_NAME, "max_tokens": 2} | fields)  # ensure_ascii: "\ud800" escapes, as a client may send
+    reply = http(cluster).post(path, content=body, headers={"content-type": "application/json"})
+    assert reply.status_code == 400, reply.text
+    assert "lone surrogate" in reply.json()["error"]["message"]
+
+
+def test_a_session_that_would_outgrow_the_context_is_refused_and_kept(cluster):
+    session = f"ctx-{time.time_ns()}"
+    context = cluster.model.max_context
+    turn = {"model": MODEL_NAME, "max_tokens": 4, "session_id": session, "temperature": 0}
+    client = http(cluster)
+    assert client.post("/v1/completions", json=turn | {"prompt": [7] * (context // 2)}).status_code == 200
+    too_long = client.post("/v1/completions", json=turn | {"prompt": [7] * (context // 2)})
+    assert too_long.status_code == 400 and "outgrow the model's context" in too_long.json()["error"]["message"]
+    with grpc.insecure_channel(cluster.address("coordinator")) as channel:
+        request = coordinator_pb2.GenerateRequest(token_ids=coordinator_pb2.TokenIds(ids=[7] * (context // 2)),
+                                                  max_tokens=4, session_id=session)
+        with pytest.raises(grpc.RpcError) as refused:
+            cluster.coordinator(channel).Complete(request, timeout=30, metadata=[("authorization", f"Bearer {ALICE}")])
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert client.post("/v1/completions", json=turn | {"prompt": [7] * 8}).status_code == 200  # still usable
+    assert client.get(f"/v1/sessions/{session}").json()["requests"] == 2

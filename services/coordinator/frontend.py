@@ -20,6 +20,7 @@ from specd.audit import Auditor
 from specd.loop import Chunk, Finished, GenerationRequest, Services, generate
 from specd.policy import PolicyState
 from specd.session import SessionNotFound, SessionState
+from specd.validation import validate_that
 from services.common.metrics import CoordinatorMetrics
 from services.coordinator.requests import Limits, policy_config
 from services.coordinator.model_info import ModelInfo
@@ -38,7 +39,12 @@ class Frontend:
     ) -> AsyncIterator[Chunk | Finished]:
         """Run a request; with a session id it continues (or starts) that session, else a one-off."""
         if session_id:
-            await self._owned_or_absent(session_id, owner)
+            held = await self._owned_or_absent(session_id, owner)
+            total = held + len(request.prompt) + request.rules.max_tokens
+            validate_that(total <= self.model.max_context,
+                          f"session {session_id!r} holds {held} tokens: with this prompt ({len(request.prompt)}) and "
+                          f"max_tokens ({request.rules.max_tokens}) it would outgrow the model's context of "
+                          f"{self.model.max_context}; lower max_tokens or start a new session")
         named = session_id or uuid.uuid4().hex
         events = generate(request, named, self.services, self.model.decode, not session_id, owner=owner)
         # aclosing: a client that goes away closes this generator, and the loop's must close with
@@ -82,10 +88,12 @@ class Frontend:
         await self.services.drafter.release(session_id)
         await self.services.verifier.release(session_id)
 
-    async def _owned_or_absent(self, session_id: str, owner: str) -> None:
+    async def _owned_or_absent(self, session_id: str, owner: str) -> int:
+        """The tokens the session holds (0: a new one); not found if another key owns it."""
         state = await self.services.store.get(session_id)
         if state is not None and state.owner != owner:
             raise SessionNotFound(f"no session {session_id!r} (released, expired, or not yours)")
+        return len(state.tokens) if state else 0
 
 
 def _traced(session_id: str, request: GenerationRequest) -> AbstractContextManager[trace.Span]:

@@ -231,7 +231,7 @@ def _error(error: Exception) -> tuple[int, dict]:
         return status, error_body(f"model service failed: {error.code().name}: {error.details()}", "server_error")
     if isinstance(error, ServiceUnavailable):
         return 503, error_body(f"{error} (the session is kept: retry it)", "server_error")
-    if isinstance(error, redis.exceptions.ConnectionError):
+    if isinstance(error, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)):
         return 503, error_body(f"session store unreachable: {error}", "server_error")
     return 500, error_body("internal error", "server_error")
 

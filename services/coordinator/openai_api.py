@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from specd.loop import Finished
 from specd.session import SessionStats
-from specd.validation import validate_that
+from specd.validation import valid_text, validate_that
 from services.coordinator.model_info import ModelInfo
 from services.coordinator.requests import ClientRequest
 
@@ -113,7 +113,7 @@ def _refuse_unsupported(body: SamplingFields) -> None:
 def _single_prompt(prompt) -> tuple[str | None, tuple[int, ...] | None]:
     """A string or token ids; OpenAI's batch forms are accepted holding exactly one prompt."""
     if isinstance(prompt, str):
-        return prompt, None
+        return valid_text(prompt, "the prompt"), None
     validate_that(len(prompt) > 0, "the prompt must not be empty")
     if isinstance(prompt[0], int):
         return None, tuple(prompt)
@@ -123,16 +123,16 @@ def _single_prompt(prompt) -> tuple[str | None, tuple[int, ...] | None]:
 
 def _message_text(message: ChatMessage) -> str:
     if isinstance(message.content, str):
-        return message.content
+        return valid_text(message.content, "a message's content")
     parts = []
     for part in message.content:
         validate_that(part.get("type") == "text" and isinstance(part.get("text"), str), "only text content parts")
-        parts.append(part["text"])
+        parts.append(valid_text(part["text"], "a message's content"))
     return "".join(parts)
 
 
 def _client_request(body: SamplingFields, **prompt_and_length) -> ClientRequest:
-    stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+    stop = tuple(valid_text(s, "a stop string") for s in ((body.stop,) if isinstance(body.stop, str) else body.stop or ()))
     top_k = 0 if body.top_k in (None, -1) else body.top_k
     return ClientRequest(
         **prompt_and_length,

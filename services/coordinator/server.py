@@ -101,13 +101,15 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         except grpc.aio.AioRpcError as e:
             code = e.code() if e.code() in PASSED_THROUGH else grpc.StatusCode.INTERNAL
             await context.abort(code, f"model service failed: {e.code().name}: {e.details()}")
+        except InvalidParams as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except ServiceUnavailable as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"{e} (the session is kept: retry it)")
         except Fenced:
             await context.abort(grpc.StatusCode.ABORTED, f"session {session_id!r} was taken over by a newer request")
         except SessionNotFound as e:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(e.args[0]))
-        except redis.exceptions.ConnectionError as e:
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"session store unreachable: {e}")
 
 
