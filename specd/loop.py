@@ -127,7 +127,7 @@ async def generate(
 ) -> AsyncIterator[Chunk | Finished]:
     """Run one request on a session. An ephemeral session is forgotten everywhere afterwards.
     A new session records its `owner` and starts from the policy the deployment learned last."""
-    lease, state = await services.store.begin(session_id, create=True)
+    lease, state = await services.store.begin(session_id, create=True, owner=owner)
     if state.requests == 0:
         state = await _start_from_prior(state, services.store, owner)
     committed = [*state.tokens, *request.prompt]

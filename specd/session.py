@@ -116,8 +116,10 @@ class Fenced(RuntimeError):
 
 
 class SessionStore(Protocol):
-    async def begin(self, session_id: str, create: bool) -> tuple[Lease, SessionState]:
-        """Take the session over (bump its epoch). Unknown id: a fresh state if `create`, else SessionNotFound."""
+    async def begin(self, session_id: str, create: bool, owner: str = "") -> tuple[Lease, SessionState]:
+        """Take the session over (bump its epoch), in one step with checking that `owner` created it
+        (another's: SessionNotFound). Unknown id: a fresh state owned by `owner` if `create`, else
+        SessionNotFound."""
         ...
 
     async def save(self, lease: Lease, state: SessionState, appended_from: int) -> None:

@@ -143,10 +143,12 @@ class FakeStore:
     saves: int = 0
     learned: PolicyState | None = None
 
-    async def begin(self, session_id: str, create: bool) -> tuple[Lease, SessionState]:
+    async def begin(self, session_id: str, create: bool, owner: str = "") -> tuple[Lease, SessionState]:
         if session_id not in self.sessions and not create:
             raise SessionNotFound(session_id)
-        epoch, state = self.sessions.get(session_id, (0, SessionState(session_id)))
+        epoch, state = self.sessions.get(session_id, (0, SessionState(session_id, owner=owner)))
+        if state.owner != owner:
+            raise SessionNotFound(session_id)
         self.sessions[session_id] = (epoch + 1, state)
         return Lease(session_id, epoch + 1), state
 

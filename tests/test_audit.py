@@ -72,7 +72,7 @@ class GatedVerifier(FakeVerifier):
 
 def frontend(verifier: FakeVerifier, rate: float = 1.0, store: FakeStore | None = None) -> Frontend:
     services = Services(FakeDrafter(draft_rule(100)), verifier, store or FakeStore())
-    return Frontend(services, SimpleNamespace(decode=decode), Limits(), audit_rate=rate)
+    return Frontend(services, SimpleNamespace(decode=decode, max_context=4096), Limits(), audit_rate=rate)
 
 
 async def finish(front: Frontend, request: GenerationRequest, session: str = "") -> Finished:

@@ -81,9 +81,9 @@ def test_save_then_begin_round_trips_state_and_bumps_epoch(server):
     saved = rich_state(sid, (7, 0, 2**32 - 1, 151643))
 
     async def body(store):
-        lease, _ = await store.begin(sid, create=True)
+        lease, _ = await store.begin(sid, create=True, owner=saved.owner)
         await store.save(lease, saved, appended_from=0)
-        lease2, loaded = await store.begin(sid, create=False)
+        lease2, loaded = await store.begin(sid, create=False, owner=saved.owner)
         assert loaded == saved
         assert lease2.epoch == lease.epoch + 1
         assert isinstance(loaded.policy.estimates.verify_s[0], tuple)  # nested tuples, not JSON lists
@@ -234,3 +234,78 @@ def test_codec_ignores_unknown_keys_and_defaults_missing_ones():
     assert state.owner == "k" and state.policy.k == 3 and state.policy.estimates.alpha == 0.5
     assert state.policy.estimates == dataclasses.replace(Estimates(), alpha=0.5)
     assert state.stats == SessionStats() and state.draft == ServiceCursor()
+
+
+def test_only_the_key_that_created_a_session_can_take_it_over(server):
+    async def body(store):
+        sid = new_id()
+        lease, state = await store.begin(sid, create=True, owner="alice")
+        assert state.owner == "alice"
+        for create in (True, False):  # bob neither continues nor re-creates it, even before alice's first save
+            with pytest.raises(SessionNotFound):
+                await store.begin(sid, create=create, owner="bob")
+        await store.save(lease, dataclasses.replace(state, tokens=(1, 2)), appended_from=0)  # alice's lease is intact
+        _, again = await store.begin(sid, create=False, owner="alice")
+        return again
+
+    assert run(server.url, body).tokens == (1, 2)
+
+
+def test_a_session_stored_before_the_owner_field_keeps_its_owner_from_the_state(server):
+    async def body(store):
+        sid = new_id()
+        lease, state = await store.begin(sid, create=True, owner="alice")
+        await store.save(lease, dataclasses.replace(state, tokens=(5,)), appended_from=0)
+        meta = store._keys(sid)[0]
+        await store._redis.hdel(meta, "owner")  # as written by a coordinator without it
+        with pytest.raises(SessionNotFound):
+            await store.begin(sid, create=True, owner="bob")
+        _, kept = await store.begin(sid, create=False, owner="alice")
+        return kept
+
+    assert run(server.url, body).tokens == (5,)
+
+
+def test_racing_owners_cannot_share_a_session(server):
+    """Bob's request finds the id free, but alice's turn creates the session before bob's begins
+    (his request slowed between the check and the lease): the lease is refused, alice's turn stands."""
+    from types import SimpleNamespace
+
+    from services.coordinator.frontend import Frontend
+    from services.coordinator.requests import Limits
+    from specd.loop import Finished, GenerationRequest, Services
+    from specd.sampling import SamplingParams
+    from specd.stopping import StopRules
+    from tests.fakes import FakeDrafter, FakeVerifier, draft_rule, target_rule
+
+    class SlowBegin(RedisSessionStore):
+        async def begin(self, session_id, create, owner=""):
+            if owner == "bob":
+                await alice_done.wait()
+            return await super().begin(session_id, create, owner)
+
+    async def turn(frontend, owner, prompt):
+        request = GenerationRequest(prompt, StopRules(6, ignore_eos=True), SamplingParams(), fixed_k=2)
+        events = [e async for e in frontend.generate(request, sid, owner)]
+        if owner == "alice":
+            alice_done.set()
+        return events[-1]
+
+    async def main():
+        store = SlowBegin(server.url)
+        services = Services(FakeDrafter(draft_rule(3)), FakeVerifier(target_rule), store)
+        frontend = Frontend(services, SimpleNamespace(decode=lambda ids: "", max_context=4096), Limits())
+        try:
+            bob = asyncio.create_task(turn(frontend, "bob", (9, 9)))
+            await asyncio.sleep(0.05)  # bob is past the owner check, waiting to begin
+            alice = await turn(frontend, "alice", (1, 2, 3))
+            with pytest.raises(SessionNotFound):
+                await bob
+            return alice, await store.get(sid)
+        finally:
+            await store.close()
+
+    sid, alice_done = new_id(), asyncio.Event()
+    alice, stored = asyncio.run(main())
+    assert isinstance(alice, Finished) and stored.owner == "alice" and stored.requests == 1
+    assert stored.tokens == (1, 2, 3, *alice.token_ids)

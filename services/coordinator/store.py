@@ -2,7 +2,8 @@
 
 Two keys per session, hash-tagged on the session id so a Redis Cluster keeps them on one slot
 (the Lua scripts touch both):
-  {prefix}:{<id>}:meta    hash: epoch (the lease's fencing token), state (JSON of SessionState minus tokens)
+  {prefix}:{<id>}:meta    hash: epoch (the lease's fencing token), owner (the key that created it),
+                          state (JSON of SessionState minus tokens)
   {prefix}:{<id>}:tokens  string: committed token ids as little-endian uint32, append-only
 Each `begin` and `save` is one Lua script, so a save is all-or-nothing and checked against the epoch.
 One more key, {prefix}:policy-prior, holds the policy of the latest finished session: new sessions
@@ -27,11 +28,24 @@ from redis.exceptions import ConnectionError, ResponseError, TimeoutError
 from specd.policy import PolicyState
 from specd.session import Fenced, Lease, SessionNotFound, SessionState
 
-# KEYS: meta, tokens. ARGV: create ("1"/"0"), ttl_ms. Returns nil (unknown id) or {epoch, state, tokens}.
+# KEYS: meta, tokens. ARGV: create ("1"/"0"), ttl_ms, owner. Returns nil (unknown id, or another
+# owner's: the same answer, so an id is no oracle) or {epoch, state, tokens}. The owner is checked and
+# the lease taken in one step: two keys racing for one id cannot both get it. (A session stored
+# before the owner field existed has its owner in the state JSON.)
 BEGIN_LUA = """
 local created = redis.call('EXISTS', KEYS[1]) == 0
 if created and ARGV[1] == '0' then return false end
-if created then redis.call('DEL', KEYS[2]) end  -- tokens outliving their meta are no session's
+if created then
+  redis.call('DEL', KEYS[2])  -- tokens outliving their meta are no session's
+  redis.call('HSET', KEYS[1], 'owner', ARGV[3])
+else
+  local owner = redis.call('HGET', KEYS[1], 'owner')
+  if not owner then
+    local state = redis.call('HGET', KEYS[1], 'state')
+    owner = (state and state ~= '') and cjson.decode(state)['owner'] or ARGV[3]
+  end
+  if owner ~= ARGV[3] then return false end
+end
 local epoch = redis.call('HINCRBY', KEYS[1], 'epoch', 1)
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 redis.call('PEXPIRE', KEYS[2], ARGV[2])
@@ -72,12 +86,14 @@ class RedisSessionStore:
         base = f"{self._prefix}:{{{session_id}}}"
         return [f"{base}:meta", f"{base}:tokens"]
 
-    async def begin(self, session_id: str, create: bool) -> tuple[Lease, SessionState]:
-        reply = await self._begin(keys=self._keys(session_id), args=["1" if create else "0", self._ttl_ms])
+    async def begin(self, session_id: str, create: bool, owner: str = "") -> tuple[Lease, SessionState]:
+        args = ["1" if create else "0", self._ttl_ms, owner]
+        reply = await self._begin(keys=self._keys(session_id), args=args)
         if reply is None:
             raise SessionNotFound(session_id)
         epoch, state_json, token_bytes = reply
-        return Lease(session_id, int(epoch)), decode_state(session_id, state_json, token_bytes)
+        state = decode_state(session_id, state_json, token_bytes)
+        return Lease(session_id, int(epoch)), dataclasses.replace(state, owner=owner)  # checked by the script
 
     async def save(self, lease: Lease, state: SessionState, appended_from: int) -> None:
         args = [lease.epoch, TOKEN_BYTES * appended_from, pack_tokens(state.tokens[appended_from:]),
