@@ -18,7 +18,7 @@ from specd.engine import EngineConfig
 from services.common.server import start_server
 from services.coordinator import server as coordinator_server
 from services.coordinator.auth import ApiKeys
-from services.coordinator.gateway import HttpServer, create_app
+from services.coordinator.gateway import MAX_BODY_BYTES, HttpServer, create_app
 from services.coordinator.requests import Limits
 from services.coordinator.frontend import Frontend
 from services.coordinator.model_info import load_model_info
@@ -78,7 +78,7 @@ class Cluster:
         self.frontend = Frontend(self.services, self.model, self.limits, self.audit_rate)
         self.coordinator_servicer = coordinator_server.CoordinatorServicer(self.frontend, self.keys)
         register = coordinator_server.register(self.coordinator_servicer)
-        server, ports["coordinator"] = await start_server(register, "127.0.0.1:0")
+        server, ports["coordinator"] = await start_server(register, "127.0.0.1:0", max_message_bytes=MAX_BODY_BYTES)
         self.servers.append(server)
         app = create_app(self.frontend, self.keys, MODEL_NAME)
         self.http, ports["http"] = await HttpServer.start(app, "127.0.0.1", 0)

@@ -364,3 +364,15 @@ def test_a_session_that_would_outgrow_the_context_is_refused_and_kept(cluster):
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert client.post("/v1/completions", json=turn | {"prompt": [7] * 8}).status_code == 200  # still usable
     assert client.get(f"/v1/sessions/{session}").json()["requests"] == 2
+
+
+def test_grpc_requests_are_bounded_like_rest_bodies(cluster):
+    from services.coordinator.gateway import MAX_BODY_BYTES
+
+    with grpc.insecure_channel(cluster.address("coordinator"), options=[("grpc.max_send_message_length", -1)]) as channel:
+        request = coordinator_pb2.GenerateRequest(text="x" * (MAX_BODY_BYTES + 1), max_tokens=2)
+        with pytest.raises(grpc.RpcError) as refused:
+            cluster.coordinator(channel).Complete(request, timeout=30, metadata=[("authorization", f"Bearer {ALICE}")])
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    too_big = http(cluster).post("/v1/completions", json={"model": MODEL_NAME, "prompt": "x" * (MAX_BODY_BYTES + 1)})
+    assert too_big.status_code == 413

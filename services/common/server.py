@@ -15,7 +15,9 @@ from services.common.telemetry import server_interceptors
 
 log = logging.getLogger(__name__)
 
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# Between coordinator and model services: a round's largest message is K ≤ 32 sparse q rows of at
+# most 24 KiB (specd/sparse.py) plus a resync's tokens (5 bytes each): under 2 MiB at a 128k context.
+MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 STOP_GRACE_S = 5.0
 _announcing: set[asyncio.Task] = set()  # health updates waiting for a server's warm-up
 _health: dict[grpc.aio.Server, health.aio.HealthServicer] = {}  # each server's, to answer NOT_SERVING when stopping
@@ -25,18 +27,20 @@ async def start_server(
     register: Callable[[grpc.aio.Server], Iterable[str]],
     address: str,
     warm_up: Awaitable[None] | None = None,
+    max_message_bytes: int = MAX_MESSAGE_BYTES,
 ) -> tuple[grpc.aio.Server, int]:
     """Start a server with the servicers `register` adds (it returns their full service names).
     Its health answers SERVING once `warm_up` (if any) is done: a readiness probe (k8s, `specd up`)
     then sends traffic to a warmed-up server, while calls that come earlier are still served.
 
+    `max_message_bytes` bounds what a client may send (the coordinator: its REST body limit).
     Returns the server and the bound port (use port 0 in tests for a free one).
     """
     server = grpc.aio.server(
         interceptors=server_interceptors(),
         options=[
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max(max_message_bytes, MAX_MESSAGE_BYTES)),
         ]
     )
     names = list(register(server))

@@ -29,7 +29,8 @@ async def serve(args: argparse.Namespace) -> None:
     keys = root.api_keys(args)
     starting = asyncio.create_task(root.start_up(frontend, args.calibrate == "on"))
     server, port = await start_server(
-        register(CoordinatorServicer(frontend, keys)), f"{args.host}:{args.port}", warm_up=starting
+        register(CoordinatorServicer(frontend, keys)), f"{args.host}:{args.port}", warm_up=starting,
+        max_message_bytes=args.max_body_bytes,  # the same bound as a REST body
     )
     log.info("coordinator on %s:%d (draft %s, target %s)", args.host, port, args.draft_addr, args.target_addr)
     http = None

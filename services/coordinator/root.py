@@ -104,7 +104,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     settings.add(parser, "--http-port", type=int, default=DEFAULT_HTTP_PORT, help="REST (OpenAI) port; -1: no REST")
     settings.add(parser, "--api-keys-file", type=Path, help="API keys, one `name:key` a line (unset: no auth)")
     settings.add(parser, "--served-model-name", help="the model id REST clients name (default: the model dir's name)")
-    settings.add(parser, "--max-body-bytes", type=int, default=MAX_BODY_BYTES, help="largest REST request body")
+    settings.add(parser, "--max-body-bytes", type=int, default=MAX_BODY_BYTES,
+                 help="largest REST request body, and gRPC request message")
     settings.add(parser, "--metrics-port", type=int, default=0, help="serve Prometheus /metrics on this port (0: off)")
     args = parser.parse_args(argv)
     for flag in ("draft_addr", "target_addr"):
