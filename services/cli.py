@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import json
 import os
+import secrets
 import signal
 import sys
 import tempfile
@@ -154,7 +155,7 @@ def _model_dirs(args: argparse.Namespace) -> dict[str, Path]:
 def cmd_up(args: argparse.Namespace) -> int:
     paths = _model_dirs(args)
     with contextlib.ExitStack() as stack:
-        redis_url = args.redis_url or stack.enter_context(LocalRedis(appendonly=True)).url
+        redis_url = args.redis_url or stack.enter_context(_local_redis()).url
         if args.tracing:
             _start_tracing(stack)
         cores_lock = None
@@ -162,6 +163,11 @@ def cmd_up(args: argparse.Namespace) -> int:
             # Both model services open this file and take turns at the cores by locking it (services/common/worker.py).
             cores_lock = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="specd-"))) / "cores.lock"
         return _run_services(args, paths, redis_url, cores_lock)
+
+
+def _local_redis() -> LocalRedis:
+    """The session store when no URL is given: a Redis with its own random password."""
+    return LocalRedis(appendonly=True, password=secrets.token_urlsafe(24))
 
 
 def _start_tracing(stack: contextlib.ExitStack) -> None:
@@ -184,7 +190,7 @@ def _ports(args: argparse.Namespace, role: str, kind: str) -> list[int]:
 
 
 def _commands(
-    args: argparse.Namespace, paths: dict[str, Path], redis_url: str, cores_lock: Path | None
+    args: argparse.Namespace, paths: dict[str, Path], cores_lock: Path | None
 ) -> dict[str, list[str]]:
     """Each child's command line (after the Python executable), by name: draft-0, target-0, ..., coordinator."""
     addr = _addresses(args)
@@ -202,7 +208,7 @@ def _commands(
     coordinator = [
         *("-m", "services.coordinator", "--model-dir", str(paths["target"])),
         *("--host", args.host, "--port", str(args.coordinator_port), "--default-k", str(args.default_k)),
-        *("--pipeline", args.pipeline, "--inject-rtt-ms", str(args.inject_rtt_ms), "--redis-url", redis_url),
+        *("--pipeline", args.pipeline, "--inject-rtt-ms", str(args.inject_rtt_ms)),
         *("--draft-addr", ",".join(addr["draft"]), "--target-addr", ",".join(addr["target"])),
         *("--http-port", str(args.http_port)),
     ]
@@ -221,7 +227,9 @@ def _run_services(args: argparse.Namespace, paths: dict[str, Path], redis_url: s
     """Start the children, wait until all serve, then keep them running (restarting any that
     dies) until SIGTERM / Ctrl-C."""
     addr = _addresses(args)
-    children = Supervisor(_commands(args, paths, redis_url, cores_lock))
+    # The coordinator reads the store's URL (and its password) from its environment, never argv.
+    os.environ[settings.env_name("redis-url")] = redis_url
+    children = Supervisor(_commands(args, paths, cores_lock))
     stopping = False
 
     def stop(*_):
@@ -235,7 +243,7 @@ def _run_services(args: argparse.Namespace, paths: dict[str, Path], redis_url: s
         _wait_ready([a for role in ("draft", "target", "coordinator") for a in addr[role]], children)
         print(
             f"specd is up: coordinator {addr['coordinator'][0]} (draft {','.join(addr['draft'])}, target "
-            f"{','.join(addr['target'])}, sessions in {redis_url})",
+            f"{','.join(addr['target'])}, sessions in {_without_password(redis_url)})",
             flush=True,
         )
         if args.http_port >= 0:
@@ -246,6 +254,11 @@ def _run_services(args: argparse.Namespace, paths: dict[str, Path], redis_url: s
         return 0
     finally:
         children.stop()
+
+
+def _without_password(url: str) -> str:
+    scheme, sep, rest = url.partition("://")
+    return f"{scheme}{sep}{rest.split('@', 1)[1]}" if "@" in rest else url
 
 
 def _model_service(args: argparse.Namespace, role: str, model_dir: Path, port: int) -> list[str]:
@@ -287,7 +300,7 @@ def cmd_serve_ray(args: argparse.Namespace) -> int:
 
     paths = _model_dirs(args)
     with contextlib.ExitStack() as stack:
-        redis_url = args.redis_url or stack.enter_context(LocalRedis(appendonly=True)).url
+        redis_url = args.redis_url or stack.enter_context(_local_redis()).url
         ray.init(num_cpus=args.num_cpus, include_dashboard=False)
         stack.callback(ray.shutdown)
         serve.start(http_options={"host": "127.0.0.1", "port": args.http_port})

@@ -95,7 +95,7 @@ def up_commands(monkeypatch, *argv: str) -> dict[str, list[str]]:
     monkeypatch.setattr(cli, "cmd_up", lambda args: parsed.append(args) or 0)
     with pytest.raises(SystemExit):
         cli.main(["up", *argv])
-    return cli._commands(parsed[0], {"draft": Path("d"), "target": Path("t")}, "redis://r", None)
+    return cli._commands(parsed[0], {"draft": Path("d"), "target": Path("t")}, None)
 
 
 def value(command: list[str], flag: str) -> str:

@@ -222,3 +222,21 @@ def test_rayservice_runs_our_application_with_arguments_it_accepts():
         ray_app.build_app({**application["args"], "targt_gpus": "1"})
     workers = service["spec"]["rayClusterConfig"]["workerGroupSpecs"]
     assert all(w["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1 for w in workers)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_redis_requires_the_password_the_coordinator_reads_from_the_same_secret(overlay):
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(kustomize(overlay)) if d}
+    redis_pod = docs["StatefulSet", "redis"]["spec"]["template"]["spec"]
+    (redis_container,) = redis_pod["containers"]
+    assert '--requirepass "$REDISCLI_AUTH"' in redis_container["command"][-1]
+    (auth,) = [e for e in redis_container["env"] if e["name"] == "REDISCLI_AUTH"]
+    secret = auth["valueFrom"]["secretKeyRef"]
+    pod = docs["Deployment", "coordinator"]["spec"]["template"]["spec"]
+    env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+    mount = next(m for m in pod["containers"][0]["volumeMounts"] if env["SPECD_REDIS_PASSWORD_FILE"].startswith(m["mountPath"]))
+    volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+    assert volume["secret"]["secretName"] == secret["name"]
+    assert env["SPECD_REDIS_PASSWORD_FILE"].endswith("/" + secret["key"])
+    config = docs["ConfigMap", next(n for k, n in docs if k == "ConfigMap" and "config" in n)]["data"]
+    assert "@" not in config["SPECD_REDIS_URL"]  # no password in a ConfigMap

@@ -309,3 +309,34 @@ def test_racing_owners_cannot_share_a_session(server):
     alice, stored = asyncio.run(main())
     assert isinstance(alice, Finished) and stored.owner == "alice" and stored.requests == 1
     assert stored.tokens == (1, 2, 3, *alice.token_ids)
+
+
+def test_a_redis_with_a_password_refuses_clients_without_it(tmp_path):
+    with LocalRedis(dir=tmp_path, password="s3cret-pass") as protected:
+        assert protected.url.startswith("redis://:s3cret-pass@127.0.0.1:")
+        assert "s3cret-pass" not in " ".join(protected._proc.args)  # in its 0600 config file, not its argv
+        assert (tmp_path / "redis.conf").stat().st_mode & 0o077 == 0
+        with pytest.raises(redis.exceptions.AuthenticationError):
+            redis.Redis(port=protected.port).ping()
+        with pytest.raises(redis.exceptions.AuthenticationError):
+            redis.Redis(port=protected.port, password="wrong").ping()
+
+        async def body(store):
+            lease, state = await store.begin(new_id(), create=True)
+            await store.save(lease, dataclasses.replace(state, tokens=(1,)), appended_from=0)
+            return await store.get(lease.session_id)
+
+        assert run(protected.url, body).tokens == (1,)
+        # the coordinator's --redis-password-file: the URL without it, the password beside
+        assert run(f"redis://127.0.0.1:{protected.port}/0", body, password="s3cret-pass").tokens == (1,)
+
+
+def test_specd_up_gives_its_redis_a_password_and_the_coordinator_gets_it_outside_argv(monkeypatch):
+    from services import cli
+    from tests.procs import up_commands
+
+    local = cli._local_redis()
+    assert local.password and len(local.password) >= 32 and cli._local_redis().password != local.password
+    commands = up_commands(monkeypatch)
+    assert not any("redis://" in arg for command in commands.values() for arg in command)
+    assert cli._without_password("redis://:pw@127.0.0.1:1/0") == "redis://127.0.0.1:1/0"

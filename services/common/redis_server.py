@@ -38,37 +38,53 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def answers_ping(port: int) -> bool:
+def answers_ping(port: int, password: str | None = None) -> bool:
     """True once the server accepts commands (while it loads its AOF it answers -LOADING instead)."""
+    auth = f"AUTH {password}\r\n".encode() if password else b""
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
-            s.sendall(b"PING\r\n")
-            return s.recv(64).startswith(b"+PONG")
+            s.sendall(auth + b"PING\r\n")
+            reply = b""
+            while reply.count(b"\r\n") < (2 if password else 1):
+                chunk = s.recv(256)
+                if not chunk:
+                    break
+                reply += chunk
+            return reply.splitlines()[-1:] == [b"+PONG"]
     except OSError:
         return False
 
 
 class LocalRedis(LocalProcess):
     """One redis-server process; `start()` after `stop()`/`kill9()` reuses the port and dir,
-    so with `appendonly=True` a restart shows what survived."""
+    so with `appendonly=True` a restart shows what survived. With a `password` it refuses
+    clients that do not AUTH; the password goes in a config file only its owner may read (not
+    on a command line, which any local user can list), and into `url`."""
 
     name = "redis-server"
 
-    def __init__(self, dir: str | Path | None = None, port: int | None = None, appendonly: bool = False):
+    def __init__(
+        self, dir: str | Path | None = None, port: int | None = None, appendonly: bool = False,
+        password: str | None = None,
+    ):
         super().__init__(port or free_port(), dir, "redis.log")
-        self.appendonly = appendonly
+        self.appendonly, self.password = appendonly, password
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     def launch(self) -> subprocess.Popen:
-        args = [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
-                "--save", "", "--daemonize", "no", "--logfile", str(self.log_path)]
+        config = self.dir / "redis.conf"
+        config.touch(mode=0o600)
+        config.write_text(f"requirepass {self.password}\n" if self.password else "")
+        args = [redis_server_binary(), str(config), "--port", str(self.port), "--bind", "127.0.0.1",
+                "--dir", str(self.dir), "--save", "", "--daemonize", "no", "--logfile", str(self.log_path)]
         if self.appendonly:
             # fsync on every write: a SIGKILL right after a reply loses nothing.
             args += ["--appendonly", "yes", "--appendfsync", "always"]
         return subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def ready(self) -> bool:
-        return answers_ping(self.port)
+        return answers_ping(self.port, self.password)

@@ -79,6 +79,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                  help="a round waits this long for some target replica, then the request fails UNAVAILABLE (503); "
                       "the session stays resumable")
     settings.add(parser, "--redis-url", help="session store, e.g. redis://127.0.0.1:6379/0")
+    settings.add(parser, "--redis-password-file", type=Path,
+                 help="the session store's password (a mounted Secret), when it is not in the URL")
     settings.add(parser, "--session-ttl-s", type=float, default=3600.0, help="idle sessions expire after this")
     settings.add(parser, "--default-k", type=int, default=Limits.default_k, help="draft tokens per round")
     settings.add(parser, "--max-k", type=int, default=Limits.max_k, help="largest K a request may ask for")
@@ -136,7 +138,8 @@ def build(args: argparse.Namespace, drafter: Drafter, verifier: Verifier) -> Fro
     if args.inject_rtt_ms:
         rtt_s = args.inject_rtt_ms / 1e3
         drafter, verifier = NetworkDelay(drafter, rtt_s), NetworkDelay(verifier, rtt_s)
-    store = RedisSessionStore(args.redis_url, ttl_s=args.session_ttl_s)
+    password = args.redis_password_file.read_text().strip() if args.redis_password_file else None
+    store = RedisSessionStore(args.redis_url, ttl_s=args.session_ttl_s, password=password)
     services = Services(drafter, verifier, store, DraftOutage(args.draft_timeout_s))
     return Frontend(services, load_model_info(args.model_dir), limits, args.audit_rate)
 

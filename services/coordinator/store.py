@@ -75,8 +75,10 @@ RETRY = Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=25)
 
 
 class RedisSessionStore:
-    def __init__(self, url: str, ttl_s: float = 3600, prefix: str = "specd"):
-        self._redis = aioredis.from_url(url, retry=RETRY, retry_on_error=[ConnectionError, TimeoutError])
+    def __init__(self, url: str, ttl_s: float = 3600, prefix: str = "specd", password: str | None = None):
+        """`password`: Redis AUTH, when it is not in the URL (`redis://:password@host:port/db`)."""
+        auth = {"password": password} if password else {}
+        self._redis = aioredis.from_url(url, retry=RETRY, retry_on_error=[ConnectionError, TimeoutError], **auth)
         self._ttl_ms = max(1, int(ttl_s * 1000))
         self._prefix = prefix
         self._begin = self._redis.register_script(BEGIN_LUA)
