@@ -133,6 +133,26 @@ def test_compose_is_valid(tmp_path, variant):
     run(tool("docker-compose"), "-f", str(path), "--project-directory", str(ROOT), "config", "-q")
 
 
+@pytest.mark.parametrize("variant", ["gpu", "cpu"])
+def test_compose_publishes_ports_on_this_host_only_unless_told(tmp_path, variant):
+    path = compose_files(tmp_path)[variant]
+
+    def published(env: dict[str, str]) -> set[str]:
+        config = yaml.safe_load(subprocess.run(
+            [tool("docker-compose"), "-f", str(path), "--project-directory", str(ROOT), "config"],
+            capture_output=True, text=True, check=True, cwd=ROOT, env={"PATH": "/usr/bin:/bin", **env}).stdout)
+        return {host_ip(p) for s in config["services"].values() for p in s.get("ports", [])}
+
+    def host_ip(port) -> str:  # long syntax, or docker-compose 1's "ip:published:target"
+        if isinstance(port, dict):
+            return port.get("host_ip", "0.0.0.0")
+        parts = str(port).split(":")
+        return parts[0] if len(parts) == 3 else "0.0.0.0"
+
+    assert published({}) == {"127.0.0.1"}
+    assert published({"SPECD_BIND_ADDRESS": "0.0.0.0"}) == {"0.0.0.0", "127.0.0.1"}  # the trace UI stays local
+
+
 def test_compose_gives_each_model_service_its_own_gpu_and_the_cpu_override_none(tmp_path):
     files = compose_files(tmp_path)
     gpu = yaml.safe_load(files["gpu"].read_text())["services"]
