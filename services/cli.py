@@ -42,6 +42,12 @@ def main(argv: list[str] | None = None) -> None:
     settings.add(check, "--models-dir", type=Path, help="where converted models live (default ~/.cache/specd/models)")
     check.set_defaults(run=cmd_check)
 
+    keys = commands.add_parser("keys", help="a deployment's secrets").add_subparsers(dest="action", required=True)
+    keys_init = keys.add_parser("init", help="create an API key and a Redis password, once (compose runs it first)")
+    keys_init.add_argument("--dir", type=Path, default=Path("secrets"), help="where (default ./secrets)")
+    keys_init.add_argument("--owner", type=int, help="uid to give the files to (an init container running as root)")
+    keys_init.set_defaults(run=cmd_keys_init)
+
     up = commands.add_parser("up", help="start draft, target and coordinator on this machine and wait")
     settings.add(up, "--models-dir", type=Path, help="where converted models live (default ~/.cache/specd/models)")
     settings.add(up, "--host", default="127.0.0.1", help="address the services bind")
@@ -131,6 +137,19 @@ def cmd_fetch(args: argparse.Namespace) -> int:
     from specd.models import fetch
 
     fetch(args.models_dir)
+    return 0
+
+
+def cmd_keys_init(args: argparse.Namespace) -> int:
+    from services.common import secrets_init
+
+    made = secrets_init.init(args.dir, args.owner)
+    for name in made:
+        print(f"created {args.dir / name}")
+    if secrets_init.API_KEYS in made:
+        print(f"API key (send `Authorization: Bearer <key>`): {made[secrets_init.API_KEYS].split(':', 1)[1]}")
+    if not made:
+        print(f"{args.dir}: the secrets exist already; nothing changed")
     return 0
 
 

@@ -162,9 +162,27 @@ def test_compose_gives_each_model_service_its_own_gpu_and_the_cpu_override_none(
     assert "deploy" not in cpu["draft"] and "deploy" not in cpu["target"]
     assert cpu["draft"]["environment"]["SPECD_DEVICE"] == "cpu"
     for name, service in gpu.items():
-        assert "healthcheck" in service, name
+        assert "healthcheck" in service or name == "keys", name  # keys: a one-shot step, done in a second
     assert gpu["coordinator"]["depends_on"]["draft"] == {"condition": "service_healthy"}
-    assert "--appendonly" in gpu["redis"]["command"]
+    assert "--appendonly" in gpu["redis"]["command"][-1]
+
+
+@pytest.mark.parametrize("variant", ["gpu", "cpu"])
+def test_compose_turns_api_keys_and_the_redis_password_on_from_secrets_made_on_the_first_run(tmp_path, variant):
+    services = yaml.safe_load(compose_files(tmp_path)[variant].read_text())["services"]
+    keys = services["keys"]
+    made_in = next(v.split(":")[0] for v in keys["volumes"] if v.endswith(":/secrets"))
+    assert keys["command"][:3] == ["specd", "keys", "init"] and made_in == "./secrets"
+    assert "secrets/" in (ROOT / ".gitignore").read_text().splitlines()
+    coordinator, redis_ = services["coordinator"], services["redis"]
+    mounted = {v.split(":")[1] for v in coordinator["volumes"] if v.startswith(made_in + ":")}
+    env = coordinator["environment"]
+    for variable, name in (("SPECD_API_KEYS_FILE", "api-keys"), ("SPECD_REDIS_PASSWORD_FILE", "redis-password")):
+        assert env[variable] in {f"{m}/{name}" for m in mounted}
+    assert '--requirepass "$$(cat /run/specd-secrets/redis-password)"' in redis_["command"][-1]
+    assert any(v.startswith(made_in + ":/run/specd-secrets") for v in redis_["volumes"])
+    for service in (coordinator, redis_):
+        assert service["depends_on"]["keys"] == {"condition": "service_completed_successfully"}
 
 
 # --- Dockerfile -----------------------------------------------------------------------------

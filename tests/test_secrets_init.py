@@ -1,0 +1,30 @@
+"""`specd keys init`: secrets made once, private, and never overwritten."""
+
+from __future__ import annotations
+
+import stat
+
+from services import cli
+from services.coordinator.auth import ApiKeys
+
+
+def test_keys_init_makes_private_secrets_once(tmp_path, capsys):
+    where = tmp_path / "secrets"
+    assert cli_main(["keys", "init", "--dir", str(where)]) == 0
+    first = capsys.readouterr().out
+    keys, password = (where / "api-keys").read_text(), (where / "redis-password").read_text()
+    assert "API key" in first and keys.split(":", 1)[1].strip() in first
+    assert stat.S_IMODE(where.stat().st_mode) == 0o700
+    assert all(stat.S_IMODE((where / f).stat().st_mode) == 0o600 for f in ("api-keys", "redis-password"))
+    assert ApiKeys.from_file(where / "api-keys").required and len(password.strip()) >= 40
+    assert cli_main(["keys", "init", "--dir", str(where)]) == 0  # again: nothing changes
+    assert "nothing changed" in capsys.readouterr().out
+    assert (where / "api-keys").read_text() == keys and (where / "redis-password").read_text() == password
+
+
+def cli_main(argv: list[str]) -> int:
+    try:
+        cli.main(argv)
+    except SystemExit as done:
+        return done.code
+    return 0
