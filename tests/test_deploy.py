@@ -260,6 +260,15 @@ def test_rayservice_runs_our_application_with_arguments_it_accepts():
         ray_app.build_app({**application["args"], "targt_gpus": "1"})
     workers = service["spec"]["rayClusterConfig"]["workerGroupSpecs"]
     assert all(w["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1 for w in workers)
+    # API keys and the Redis password: files from the Secrets, mounted wherever a gateway replica may run
+    argv = ray_app.coordinator_argv(application["args"])
+    files = [argv[argv.index(flag) + 1] for flag in ("--api-keys-file", "--redis-password-file")]
+    for pod in [service["spec"]["rayClusterConfig"]["headGroupSpec"], *workers]:
+        spec = pod["template"]["spec"]
+        secrets = {v["name"]: v["secret"]["secretName"] for v in spec["volumes"] if "secret" in v}
+        mounts = {m["mountPath"]: m["name"] for m in spec["containers"][0]["volumeMounts"]}
+        mounted = {secrets.get(mounts.get(f.rsplit("/", 1)[0])) for f in files}
+        assert mounted == {"specd-api-keys", "specd-redis"}
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
