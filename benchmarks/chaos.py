@@ -34,7 +34,7 @@ import grpc
 import torch
 from transformers import AutoModelForCausalLM
 
-from benchmarks.common import machine, write
+from benchmarks.common import descendants, machine, rss_bytes, write
 from services.common.redis_server import LocalRedis, free_port
 from services.coordinator.model_info import load_model_info
 from services.protogen.specd.v1 import coordinator_pb2, coordinator_pb2_grpc
@@ -284,49 +284,21 @@ def _kill(role: str, rng: random.Random, ports: dict[str, int], redis: LocalRedi
     return {"victim": f"{role}-{replica}", "pid": pid}
 
 
-def _children(parent: int) -> list[int]:
-    pids = []
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == parent:
-                pids.append(int(entry.name))
-        except (OSError, IndexError, ValueError):
-            continue
-    return pids
-
-
 def _child_pid(parent: int, role: str, port: int) -> int | None:
-    for pid in _children(parent):
-        try:
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
-        except OSError:
-            continue
-        if f"services.{role}" in argv and argv[argv.index("--port") + 1] == str(port):
+    for pid, command in descendants(parent).items():
+        if f"services.{role} " in command and f" --port {port} " in f"{command} ":
             return pid
     return None
 
 
-def _rss_mb(pid: int) -> float:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return 0.0
-
-
 def _rss(up_pid: int, redis: LocalRedis) -> dict:
     by_role: dict[str, float] = collections.defaultdict(float)
-    for pid in _children(up_pid):
-        try:
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
-        except OSError:
-            continue
-        role = next((a.removeprefix("services.") for a in argv if a.startswith("services.")), "other")
-        by_role[role] += _rss_mb(pid)
-    by_role["redis"] = _rss_mb(redis.pid) if redis.pid else 0.0
-    by_role["specd_up"] = _rss_mb(up_pid)
+    for pid, command in descendants(up_pid).items():
+        role = next((word.removeprefix("services.") for word in command.split() if word.startswith("services.")),
+                    "other")
+        by_role[role] += rss_bytes(pid) / 2**20
+    by_role["redis"] = rss_bytes(redis.pid) / 2**20 if redis.pid else 0.0
+    by_role["specd_up"] = rss_bytes(up_pid) / 2**20
     return {f"{role}_mb": round(mb, 1) for role, mb in sorted(by_role.items())} | {
         "total_mb": round(sum(by_role.values()), 1)}
 

@@ -29,7 +29,7 @@ class Up:
 
     def rss(self) -> dict[str, int]:
         """Resident bytes of each service process (draft, target, coordinator) right now."""
-        children = _descendants(self.pid)
+        children = descendants(self.pid)
         sizes = {}
         for role in ("draft", "target", "coordinator"):
             pids = [pid for pid, command in children.items() if f"services.{role}" in command]
@@ -37,7 +37,7 @@ class Up:
         return sizes
 
 
-def _descendants(root: int) -> dict[int, str]:
+def descendants(root: int) -> dict[int, str]:
     """pid -> command line of every process under `root` (Linux /proc)."""
     parents, commands = {}, {}
     for entry in Path("/proc").iterdir():

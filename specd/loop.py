@@ -129,7 +129,7 @@ async def generate(
     A new session records its `owner` and starts from the policy the deployment learned last."""
     lease, state = await services.store.begin(session_id, create=True, owner=owner)
     if state.requests == 0:
-        state = await _start_from_prior(state, services.store, owner)
+        state = await _start_from_prior(state, services.store)
     committed = [*state.tokens, *request.prompt]
     stored = len(state.tokens)
     draft, target = _Cursor.of(state.draft), _Cursor.of(state.target)
@@ -220,9 +220,9 @@ async def generate(
             await forget(session_id, services)
 
 
-async def _start_from_prior(state: SessionState, store: SessionStore, owner: str) -> SessionState:
+async def _start_from_prior(state: SessionState, store: SessionStore) -> SessionState:
     prior = await store.prior()
-    return replace(state, owner=owner, policy=inherit(prior) if prior else state.policy)
+    return replace(state, policy=inherit(prior) if prior else state.policy)
 
 
 def _round_attributes(index: int, seen: RoundObservation, committed: int, mode: str) -> dict[str, int | float | str]:
