@@ -48,6 +48,13 @@ def main(argv: list[str] | None = None) -> None:
     keys_init.add_argument("--owner", type=int, help="uid to give the files to (an init container running as root)")
     keys_init.set_defaults(run=cmd_keys_init)
 
+    certs = commands.add_parser("certs", help="a new CA and the certificates for mutual TLS between the services")
+    certs.add_argument("--dir", type=Path, default=Path("secrets/tls"), help="where (default ./secrets/tls)")
+    certs.add_argument("--days", type=int, default=365, help="how long they are valid (default 365)")
+    certs.add_argument("--owner", type=int, help="uid to give the files to (an init container running as root)")
+    certs.add_argument("--keep", action="store_true", help="do nothing when the directory has a set already")
+    certs.set_defaults(run=cmd_certs)
+
     up = commands.add_parser("up", help="start draft, target and coordinator on this machine and wait")
     settings.add(up, "--models-dir", type=Path, help="where converted models live (default ~/.cache/specd/models)")
     settings.add(up, "--host", default="127.0.0.1", help="address the services bind")
@@ -78,6 +85,9 @@ def main(argv: list[str] | None = None) -> None:
     settings.add(up, "--redis-url", help="session store; default: start a local redis-server")
     settings.add(up, "--http-port", type=int, default=8000, help="REST (OpenAI-compatible) port; -1: no REST")
     settings.add(up, "--api-keys-file", type=Path, help="API keys, one `name:key` a line (unset: no auth)")
+    settings.add(up, "--service-tls", default="on", choices=("on", "off"),
+                 help="mutual TLS between the coordinator and the model services, with certificates made for "
+                      "this run (off: plaintext on loopback)")
     settings.add(up, "--draft-model-dir", type=Path, help="serve this draft instead of the fetched one")
     settings.add(up, "--target-model-dir", type=Path, help="serve this target instead of the fetched one")
     up.add_argument("--tracing", action="store_true", help="start a local Phoenix and send every service's spans to it")
@@ -99,6 +109,9 @@ def main(argv: list[str] | None = None) -> None:
     health = commands.add_parser("health", help="exit 0 when a specd gRPC service is serving (healthchecks)")
     health.add_argument("address", help="host:port of a draft, target or coordinator service")
     health.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for the answer")
+    health.add_argument("--tls-dir", type=Path, help="a model service on mutual TLS: check with the coordinator's "
+                        "certificate from this directory (or ask its plaintext --health-port instead)")
+    health.add_argument("--role", choices=("draft", "target"), help="with --tls-dir: the service's role")
     health.set_defaults(run=cmd_health)
 
     ray = commands.add_parser("serve-ray", help="the Ray Serve application on a local Ray (services/ray_app.py)")
@@ -153,6 +166,18 @@ def cmd_keys_init(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_certs(args: argparse.Namespace) -> int:
+    from services.common import certs
+    from services.common.tls import CA_FILE
+
+    if args.keep and (args.dir / CA_FILE).exists():
+        print(f"{args.dir}: a certificate set exists already; nothing changed")
+        return 0
+    for path in certs.make(args.dir, args.days, args.owner):
+        print(f"wrote {path}")
+    return 0
+
+
 def cmd_check(args: argparse.Namespace) -> int:
     from specd.models import SOURCES, is_ready, model_path
 
@@ -177,11 +202,15 @@ def cmd_up(args: argparse.Namespace) -> int:
         redis_url = args.redis_url or stack.enter_context(_local_redis()).url
         if args.tracing:
             _start_tracing(stack)
-        cores_lock = None
-        if args.core_turns == "on":
-            # Both model services open this file and take turns at the cores by locking it (services/common/worker.py).
-            cores_lock = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="specd-"))) / "cores.lock"
-        return _run_services(args, paths, redis_url, cores_lock)
+        run_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="specd-")))
+        # Both model services open this file and take turns at the cores by locking it (services/common/worker.py).
+        cores_lock = run_dir / "cores.lock" if args.core_turns == "on" else None
+        tls_dir = None
+        if args.service_tls == "on":
+            from services.common import certs
+
+            certs.make(tls_dir := run_dir / "tls", days=7)
+        return _run_services(args, paths, redis_url, cores_lock, tls_dir)
 
 
 def _local_redis() -> LocalRedis:
@@ -209,7 +238,7 @@ def _ports(args: argparse.Namespace, role: str, kind: str) -> list[int]:
 
 
 def _commands(
-    args: argparse.Namespace, paths: dict[str, Path], cores_lock: Path | None
+    args: argparse.Namespace, paths: dict[str, Path], cores_lock: Path | None, tls_dir: Path | None = None
 ) -> dict[str, list[str]]:
     """Each child's command line (after the Python executable), by name: draft-0, target-0, ..., coordinator."""
     addr = _addresses(args)
@@ -223,7 +252,7 @@ def _commands(
                 cmd += ["--cores-lock", str(cores_lock)]
             if args.batch_wait is not None:
                 cmd += ["--batch-wait", str(args.batch_wait)]
-            commands[f"{role}-{i}"] = cmd
+            commands[f"{role}-{i}"] = cmd + (["--tls-dir", str(tls_dir)] if tls_dir else [])
     coordinator = [
         *("-m", "services.coordinator", "--model-dir", str(paths["target"])),
         *("--host", args.host, "--port", str(args.coordinator_port), "--default-k", str(args.default_k)),
@@ -233,6 +262,8 @@ def _commands(
     ]
     if args.api_keys_file:
         coordinator += ["--api-keys-file", str(args.api_keys_file)]
+    if tls_dir:
+        coordinator += ["--tls-dir", str(tls_dir)]
     if args.draft_confidence is not None:
         coordinator += ["--draft-confidence", args.draft_confidence]
     if args.siblings is not None:
@@ -242,13 +273,15 @@ def _commands(
     return commands | {"coordinator": coordinator}
 
 
-def _run_services(args: argparse.Namespace, paths: dict[str, Path], redis_url: str, cores_lock: Path | None) -> int:
+def _run_services(
+    args: argparse.Namespace, paths: dict[str, Path], redis_url: str, cores_lock: Path | None, tls_dir: Path | None
+) -> int:
     """Start the children, wait until all serve, then keep them running (restarting any that
     dies) until SIGTERM / Ctrl-C."""
     addr = _addresses(args)
     # The coordinator reads the store's URL (and its password) from its environment, never argv.
     os.environ[settings.env_name("redis-url")] = redis_url
-    children = Supervisor(_commands(args, paths, cores_lock))
+    children = Supervisor(_commands(args, paths, cores_lock, tls_dir))
     stopping = False
 
     def stop(*_):
@@ -259,7 +292,7 @@ def _run_services(args: argparse.Namespace, paths: dict[str, Path], redis_url: s
     signal.signal(signal.SIGINT, stop)
     try:
         children.start()
-        _wait_ready([a for role in ("draft", "target", "coordinator") for a in addr[role]], children)
+        _wait_ready([(a, role) for role in ("draft", "target", "coordinator") for a in addr[role]], children, tls_dir)
         print(
             f"specd is up: coordinator {addr['coordinator'][0]} (draft {','.join(addr['draft'])}, target "
             f"{','.join(addr['target'])}, sessions in {_without_password(redis_url)})",
@@ -287,11 +320,11 @@ def _model_service(args: argparse.Namespace, role: str, model_dir: Path, port: i
     return cmd + (["--threads", str(threads)] if threads else [])
 
 
-def _wait_ready(addresses: list[str], children: Supervisor) -> None:
-    """Every child serves; one that exits before (a bad flag, a missing model) stops `specd up`."""
+def _wait_ready(addresses: list[tuple[str, str]], children: Supervisor, tls_dir: Path | None) -> None:
+    """Every child (address, role) serves; one that exits before (a bad flag, a missing model) stops `specd up`."""
     deadline = time.monotonic() + READY_TIMEOUT_S
-    for address in addresses:
-        while not _serving(address):
+    for address, role in addresses:
+        while not _serving(address, tls_dir=tls_dir if role != "coordinator" else None, role=role):
             if exited := children.exited():
                 name, code = next(iter(exited.items()))
                 raise SystemExit(f"{name} exited before serving ({describe(code)})")
@@ -300,14 +333,23 @@ def _wait_ready(addresses: list[str], children: Supervisor) -> None:
             time.sleep(0.5)
 
 
-def _serving(address: str, timeout_s: float = 1.0) -> bool:
-    """The stock gRPC health service answers SERVING (the whole server, service "")."""
-    with grpc.insecure_channel(address) as channel:
+def _serving(address: str, timeout_s: float = 1.0, tls_dir: Path | None = None, role: str | None = None) -> bool:
+    """The stock gRPC health service answers SERVING (the whole server, service ""); `tls_dir`: a
+    model service of `role` on mutual TLS, asked with the coordinator's certificate."""
+    with _channel(address, tls_dir, role) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
         except grpc.RpcError:
             return False
     return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def _channel(address: str, tls_dir: Path | None, role: str | None) -> grpc.Channel:
+    if tls_dir is None:
+        return grpc.insecure_channel(address)
+    from services.common.tls import CALLER, TlsFiles, channel_options
+
+    return grpc.secure_channel(address, TlsFiles(tls_dir, CALLER).channel_credentials(), options=channel_options(role))
 
 
 def cmd_serve_ray(args: argparse.Namespace) -> int:
@@ -339,7 +381,10 @@ def cmd_serve_ray(args: argparse.Namespace) -> int:
 
 def cmd_health(args: argparse.Namespace) -> int:
     """For container healthchecks: exit 0 when the service at the address is serving."""
-    serving = _serving(args.address, args.timeout)
+    if args.tls_dir and not args.role:
+        print("specd health: --tls-dir needs --role draft|target", file=sys.stderr)
+        return 2
+    serving = _serving(args.address, args.timeout, args.tls_dir, args.role)
     print("SERVING" if serving else "NOT SERVING")
     return 0 if serving else 1
 

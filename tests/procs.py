@@ -25,6 +25,7 @@ class ServiceProcess:
     def __init__(self, role: str, args: list[str], log_dir: Path, port: int | None = None, host: str = "127.0.0.1"):
         self.role, self.args, self.host = role, args, host
         self.port = port or free_port()
+        self.health_port = self.port  # a model service on mutual TLS: its plaintext --health-port
         self.log_path = log_dir / f"{role}-{host}-{self.port}.log"
         self.env: dict[str, str] = {}  # added to this process's environment (tracing settings)
         self.proc: subprocess.Popen | None = None
@@ -43,7 +44,7 @@ class ServiceProcess:
 
     def wait_ready(self) -> "ServiceProcess":
         deadline = time.monotonic() + READY_TIMEOUT_S
-        with grpc.insecure_channel(self.address) as channel:
+        with grpc.insecure_channel(f"{self.host}:{self.health_port}") as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:
@@ -80,6 +81,15 @@ def model_service(
     return ServiceProcess(role, args, log_dir, port, host)
 
 
+def tls_model_service(role: str, model_dir: Path, log_dir: Path, tls_dir: Path) -> ServiceProcess:
+    """A model service on mutual TLS, probed on its plaintext health port."""
+    health_port = free_port()
+    proc = model_service(role, model_dir, log_dir, None, "127.0.0.1", "--tls-dir", str(tls_dir),
+                         "--health-port", str(health_port))
+    proc.health_port = health_port
+    return proc
+
+
 def coordinator(
     target_dir: Path, drafts: list[str] | str, targets: list[str] | str, redis_url: str, log_dir: Path, *extra: str
 ) -> ServiceProcess:
@@ -95,7 +105,8 @@ def up_commands(monkeypatch, *argv: str) -> dict[str, list[str]]:
     monkeypatch.setattr(cli, "cmd_up", lambda args: parsed.append(args) or 0)
     with pytest.raises(SystemExit):
         cli.main(["up", *argv])
-    return cli._commands(parsed[0], {"draft": Path("d"), "target": Path("t")}, None)
+    tls_dir = Path("tls") if parsed[0].service_tls == "on" else None  # cmd_up makes it in its run directory
+    return cli._commands(parsed[0], {"draft": Path("d"), "target": Path("t")}, None, tls_dir)
 
 
 def value(command: list[str], flag: str) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import stat
 
 from services import cli
+from services.common.tls import TlsFiles
 from services.coordinator.auth import ApiKeys
 
 
@@ -17,9 +18,15 @@ def test_keys_init_makes_private_secrets_once(tmp_path, capsys):
     assert stat.S_IMODE(where.stat().st_mode) == 0o700
     assert all(stat.S_IMODE((where / f).stat().st_mode) == 0o600 for f in ("api-keys", "redis-password"))
     assert ApiKeys.from_file(where / "api-keys").required and len(password.strip()) >= 40
+    ca = (where / "tls" / "coordinator" / "ca.pem").read_bytes()
+    for role in ("draft", "target", "coordinator"):  # each container mounts its own directory: no other's key
+        assert sorted(p.name for p in (where / "tls" / role).iterdir()) == sorted(["ca.pem", f"{role}.pem", f"{role}-key.pem"])
+        assert (where / "tls" / role / "ca.pem").read_bytes() == ca
+        TlsFiles(where / "tls" / role, role).check()
     assert cli_main(["keys", "init", "--dir", str(where)]) == 0  # again: nothing changes
     assert "nothing changed" in capsys.readouterr().out
     assert (where / "api-keys").read_text() == keys and (where / "redis-password").read_text() == password
+    assert (where / "tls" / "coordinator" / "ca.pem").read_bytes() == ca
 
 
 def cli_main(argv: list[str]) -> int:

@@ -14,6 +14,7 @@ from services.common.metrics import serve_metrics
 from services.common.model_service import ModelServicer
 from services.common.server import run_until_signalled, start_server
 from services.common.telemetry import setup_tracing
+from services.common.tls import TlsFiles
 from services.common.worker import DEFAULT_MAX_BATCH, Batching, SharedCores
 
 log = logging.getLogger(__name__)
@@ -38,6 +39,11 @@ def parse(role: str, default_port: int, argv: list[str] | None) -> argparse.Name
     settings.add(parser, "--quantize", default=settings.SERVICE_QUANTIZE, choices=settings.QUANTIZE_MODES,
                  help=QUANTIZE_HELP[role])
     settings.add(parser, "--metrics-port", type=int, default=0, help="serve Prometheus /metrics on this port (0: off)")
+    settings.add(parser, "--tls-dir", type=Path,
+                 help="mutual TLS: ca.pem, <role>.pem, <role>-key.pem (`specd certs`); only the coordinator's "
+                      "certificate may call (unset: plaintext, anyone who reaches the port)")
+    settings.add(parser, "--health-port", type=int, default=0,
+                 help="also answer gRPC health checks, and nothing else, in plaintext on this port (probes; 0: off)")
     settings.add(parser, "--cores-lock", type=Path,
                  help="a file every service on this host opens: they take turns at the cores (unset: no turns)")
     settings.add(parser, "--max-batch", type=int, default=DEFAULT_MAX_BATCH,
@@ -50,6 +56,7 @@ def parse(role: str, default_port: int, argv: list[str] | None) -> argparse.Name
     if args.model_dir is None:
         parser.error("--model-dir (or SPECD_MODEL_DIR) is required")
     try:
+        args.tls = TlsFiles(args.tls_dir, role).check() if args.tls_dir else None
         Batching(args.max_batch, args.batch_wait).validate()
         settings.check_quantize(role, args.quantize)  # the environment's value too, which argparse does not check
     except ValueError as error:
@@ -84,10 +91,15 @@ def main(
     servicer = servicer_class.load(engine_config(args), role, cores=cores, batching=batching)
 
     async def serve() -> None:
-        server, port = await start_server(register(servicer), f"{args.host}:{args.port}")
+        health_address = f"{args.host}:{args.health_port}" if args.health_port else None
+        server, port = await start_server(register(servicer), f"{args.host}:{args.port}", tls=args.tls,
+                                          health_address=health_address)
         info = servicer.engine_info()
-        log.info("%s serving %s on %s:%d, numerics %s (quantize %s, batch-invariant here: %s): %s", role,
-                 args.model_dir, args.host, port, info.numerics, info.quantize, info.invariant, info.reason)
+        log.info("%s serving %s on %s:%d (%s), numerics %s (quantize %s, batch-invariant here: %s): %s", role,
+                 args.model_dir, args.host, port, "mutual TLS" if args.tls else "plaintext", info.numerics,
+                 info.quantize, info.invariant, info.reason)
+        if not args.tls:
+            log.warning("no --tls-dir: any process that reaches %s:%d may drive this service's caches", args.host, port)
         if args.metrics_port:
             serve_metrics(servicer.metrics.registry, args.metrics_port, args.host)
             log.info("%s metrics on http://%s:%d/metrics", role, args.host, args.metrics_port)

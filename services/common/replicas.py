@@ -25,6 +25,7 @@ from services.common.client import timeout
 from services.common.convert import LOAD_REQUEST, load_from_proto
 from services.common.server import MAX_MESSAGE_BYTES
 from services.common.telemetry import client_interceptors
+from services.common.tls import TlsFiles, channel_options
 
 S = TypeVar("S")
 R = TypeVar("R")
@@ -69,9 +70,12 @@ class Replicas(Generic[S]):
         make_stub: Callable[[grpc.aio.Channel], S],
         retry_s: float = 60.0,
         refresh_s: float = REFRESH_S,
+        tls: TlsFiles | None = None,
     ):
-        """`source`: see discovery.resolver. `retry_s`: how long a call waits for some replica to answer."""
+        """`source`: see discovery.resolver. `retry_s`: how long a call waits for some replica to answer.
+        `tls`: the coordinator's certificate; every replica must present its role's (`name`'s)."""
         self.name, self.retry_s, self.refresh_s = name, retry_s, refresh_s
+        self._credentials = tls.channel_credentials() if tls else None
         self.resolver = discovery.resolver(source)
         self._make_stub = make_stub
         self._interceptors = client_interceptors()  # propagate the caller's trace context to the service
@@ -169,12 +173,18 @@ class Replicas(Generic[S]):
         added = [a for a in addresses if a not in self._replicas]
         gone = [a for a in self._replicas if a not in addresses]
         for address in added:
-            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS, interceptors=self._interceptors)
+            channel = self._channel(address)
             self._replicas[address] = _Replica(address, channel, self._make_stub(channel))
         for address in gone:
             self._spawn(self._replicas.pop(address).channel.close(CLOSE_GRACE_S))
         if self._tasks and (added or gone):  # not at construction
             log.info("%s pool: %d replicas (added %s, gone %s)", self.name, len(self._replicas), added, gone)
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        if self._credentials is None:
+            return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS, interceptors=self._interceptors)
+        return grpc.aio.secure_channel(address, self._credentials, options=CHANNEL_OPTIONS + channel_options(self.name),
+                                       interceptors=self._interceptors)
 
     def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.create_task(coro)

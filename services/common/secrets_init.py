@@ -1,7 +1,9 @@
 """`specd keys init`: the deployment's secrets, made once and kept: an API key (`api-keys`, a
-`name:key` line the coordinator reads) and the session store's password (`redis-password`),
-each a 0600 file in a 0700 directory. Existing files are left as they are, so running it on
-every start (compose's `secrets` service does) changes nothing after the first time."""
+`name:key` line the coordinator reads), the session store's password (`redis-password`), each
+a 0600 file in a 0700 directory, and the services' TLS certificates (`specd certs`), each
+role's in `tls/<role>/` (what its container mounts).
+Existing files are left as they are, so running it on every start (compose's `keys` service
+does) changes nothing after the first time."""
 
 from __future__ import annotations
 
@@ -9,7 +11,10 @@ import os
 import secrets
 from pathlib import Path
 
-API_KEYS, REDIS_PASSWORD = "api-keys", "redis-password"
+from services.common import certs
+from services.common.tls import CA_FILE, CALLER
+
+API_KEYS, REDIS_PASSWORD, TLS = "api-keys", "redis-password", "tls"
 KEY_NAME = "default"
 
 
@@ -31,4 +36,7 @@ def init(directory: Path, owner: int | None = None) -> dict[str, str]:
     if owner is not None:
         for path in (directory, directory / API_KEYS, directory / REDIS_PASSWORD):
             os.chown(path, owner, owner)
+    if not (directory / TLS / CALLER / CA_FILE).exists():
+        certs.make(directory / TLS, owner=owner, per_role=True)
+        made[TLS] = "a CA and the services' certificates"
     return made

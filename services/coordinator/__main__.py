@@ -20,7 +20,8 @@ log = logging.getLogger(__name__)
 
 
 async def serve(args: argparse.Namespace) -> None:
-    drafter, verifier = GrpcDrafter(args.draft_addr), GrpcVerifier(args.target_addr, retry_s=args.target_wait_s)
+    drafter = GrpcDrafter(args.draft_addr, tls=args.tls)
+    verifier = GrpcVerifier(args.target_addr, retry_s=args.target_wait_s, tls=args.tls)
     frontend = root.build(args, drafter, verifier)
     services = frontend.services
     if args.metrics_port:

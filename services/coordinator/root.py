@@ -17,6 +17,7 @@ from specd.outage import DRAFT_TIMEOUT_S, DraftOutage
 from specd.policy import PIPELINE_MODES, PolicyConfig
 from services.common import discovery, settings
 from services.common.client import NetworkDelay
+from services.common.tls import CALLER, TlsFiles
 from services.coordinator.auth import ApiKeys
 from services.coordinator.frontend import Frontend
 from services.coordinator.gateway import DEFAULT_HTTP_PORT, MAX_BODY_BYTES
@@ -78,6 +79,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     settings.add(parser, "--target-wait-s", type=float, default=target_client.WAIT_S,
                  help="a round waits this long for some target replica, then the request fails UNAVAILABLE (503); "
                       "the session stays resumable")
+    settings.add(parser, "--tls-dir", type=Path,
+                 help="mutual TLS to the model services: ca.pem, coordinator.pem, coordinator-key.pem (`specd certs`); "
+                      "each replica must present its role's certificate (unset: plaintext)")
     settings.add(parser, "--redis-url", help="session store, e.g. redis://127.0.0.1:6379/0")
     settings.add(parser, "--redis-password-file", type=Path,
                  help="the session store's password (a mounted Secret), when it is not in the URL")
@@ -115,6 +119,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
             discovery.resolver(getattr(args, flag))
         except ValueError as error:
             parser.error(f"--{flag.replace('_', '-')}: {error}")
+    try:
+        args.tls = TlsFiles(args.tls_dir, CALLER).check() if args.tls_dir else None
+    except ValueError as error:
+        parser.error(f"--tls-dir: {error}")
     for required in ("model_dir", "redis_url"):
         if getattr(args, required) is None:
             flag = required.replace("_", "-")

@@ -8,6 +8,7 @@ from specd.contracts import DraftReply, ProposeRequest
 from services.common.client import call, timeout
 from services.common.convert import session_ref_to_proto
 from services.common.replicas import Replicas
+from services.common.tls import TlsFiles
 from services.draft import convert
 from services.protogen.specd.v1 import draft_pb2_grpc
 
@@ -16,8 +17,9 @@ class GrpcDrafter:
     """`retry_s` 0: one pass over the pool, then ServiceUnavailable (the loop decodes plainly
     meanwhile; waiting for a draft would only stall the session)."""
 
-    def __init__(self, addresses: str | Sequence[str], timeout_s: float = 60.0, retry_s: float = 0.0):
-        self.replicas = Replicas("draft", addresses, draft_pb2_grpc.DraftServiceStub, retry_s)
+    def __init__(self, addresses: str | Sequence[str], timeout_s: float = 60.0, retry_s: float = 0.0,
+                 tls: TlsFiles | None = None):
+        self.replicas = Replicas("draft", addresses, draft_pb2_grpc.DraftServiceStub, retry_s, tls=tls)
         self._timeout_s = timeout_s
 
     async def propose(self, request: ProposeRequest) -> DraftReply:

@@ -8,6 +8,7 @@ from specd.contracts import EngineInfo, VerifyReply, VerifyRequest
 from services.common.client import call, timeout
 from services.common.convert import ENGINE_INFO_REQUEST, engine_info_from_proto, session_ref_to_proto
 from services.common.replicas import Replicas
+from services.common.tls import TlsFiles
 from services.protogen.specd.v1 import target_pb2_grpc
 from services.target import convert
 
@@ -16,8 +17,9 @@ ENGINE_INFO_TIMEOUT_S = 5.0  # answered off the model's thread: a busy target st
 
 
 class GrpcVerifier:
-    def __init__(self, addresses: str | Sequence[str], timeout_s: float = 120.0, retry_s: float = WAIT_S):
-        self.replicas = Replicas("target", addresses, target_pb2_grpc.TargetServiceStub, retry_s)
+    def __init__(self, addresses: str | Sequence[str], timeout_s: float = 120.0, retry_s: float = WAIT_S,
+                 tls: TlsFiles | None = None):
+        self.replicas = Replicas("target", addresses, target_pb2_grpc.TargetServiceStub, retry_s, tls=tls)
         self._timeout_s = timeout_s
 
     async def verify(self, request: VerifyRequest) -> VerifyReply:
