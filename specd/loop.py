@@ -12,6 +12,7 @@ answers, rounds are plain target steps (`DraftOutage`): output is the same, only
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 from dataclasses import dataclass, field, replace
 from typing import AsyncIterator, Awaitable, Callable, Protocol, Sequence, TypeVar
@@ -31,8 +32,9 @@ from specd.contracts import (
 )
 from specd.outage import DraftOutage
 from specd.policy import PolicyConfig, PolicyState, RoundObservation, inherit, lookahead, next_k, observe
-from specd.session import ServiceCursor, SessionState, SessionStats, SessionStore
+from specd.session import ServiceCursor, SessionState, SessionStats, SessionStore, Turn
 from specd.stopping import Decode, StopChecker, StopRules
+from specd.validation import validate_that
 
 EMPTY_PROPOSAL = Proposal((), ())
 T = TypeVar("T")
@@ -124,20 +126,31 @@ async def generate(
     ephemeral: bool = True,
     on_round: Callable[[RoundRecord], None] | None = None,
     owner: str = "",
+    request_id: str = "",
 ) -> AsyncIterator[Chunk | Finished]:
     """Run one request on a session. An ephemeral session is forgotten everywhere afterwards.
-    A new session records its `owner` and starts from the policy the deployment learned last."""
+    A new session records its `owner` and starts from the policy the deployment learned last.
+    `request_id`: a retry of the session's latest turn with this id does not append its prompt
+    again: it replies with what that turn committed and, if it had not finished, goes on with it."""
     lease, state = await services.store.begin(session_id, create=True, owner=owner)
     if state.requests == 0:
         state = await _start_from_prior(state, services.store)
-    committed = [*state.tokens, *request.prompt]
+    retried = _retried_turn(state, request, request_id)  # what the turn already committed, if a retry
+    if retried is None:
+        turn = Turn(request_id, len(state.tokens), request_digest(request)) if request_id else None
+        committed = [*state.tokens, *request.prompt]
+        state = replace(state, requests=state.requests + 1, turn=turn)
+    else:
+        committed = [*state.tokens]
     stored = len(state.tokens)
     draft, target = _Cursor.of(state.draft), _Cursor.of(state.target)
     checker = StopChecker(request.rules, decode)
     stats = SessionStats()
-    state = replace(state, requests=state.requests + 1)
     try:
-        while True:
+        if retried:  # the same checker over the same tokens: the reply so far, as first sent
+            emitted, text = _apply_stop_rules(checker, retried)
+            yield Chunk(emitted, text)
+        while not checker.finish_reason:
             # The span ends before the round yields: a span left current across a yield would leak
             # into whatever the consumer does in between.
             with tracer.start_as_current_span("speculation.round") as span:
@@ -210,14 +223,30 @@ async def generate(
                 ))
             if emitted:
                 yield Chunk(emitted, text)
-            if checker.finish_reason:
-                if request.fixed_k is None:
-                    await services.store.remember(state.policy)
-                yield Finished(checker.finish_reason, tuple(checker.token_ids), checker.text, stats, state)
-                return
+            if checker.finish_reason and request.fixed_k is None:
+                await services.store.remember(state.policy)
+        yield Finished(checker.finish_reason, tuple(checker.token_ids), checker.text, stats, state)
     finally:
         if ephemeral:
             await forget(session_id, services)
+
+
+def request_digest(request: GenerationRequest) -> str:
+    """What a turn asked, for telling a retry from a different request under the same id (the
+    seed is left out: an unseeded request gets a new one each time)."""
+    p = request.params
+    asked = (request.prompt, request.rules, p.temperature, p.top_k, p.top_p, request.fixed_k)
+    return hashlib.blake2b(repr(asked).encode(), digest_size=16).hexdigest()
+
+
+def _retried_turn(state: SessionState, request: GenerationRequest, request_id: str) -> tuple[int, ...] | None:
+    """The tokens the session's latest turn generated, when this request retries it; else None."""
+    turn = state.turn
+    if not request_id or turn is None or turn.request_id != request_id:
+        return None
+    validate_that(turn.digest == request_digest(request),
+                  f"request id {request_id!r} named a different request on this session; use a new id for a new turn")
+    return state.tokens[turn.start + len(request.prompt):]
 
 
 async def _start_from_prior(state: SessionState, store: SessionStore) -> SessionState:

@@ -90,6 +90,16 @@ def _add_counts(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
 
 
 @dataclass(frozen=True)
+class Turn:
+    """A session's latest turn, kept so that a client's retry of it (same request id) returns it
+    or goes on with it instead of appending its prompt again."""
+
+    request_id: str
+    start: int  # committed length before its prompt
+    digest: str  # of what it asked (specd.loop.request_digest): a retry must ask the same
+
+
+@dataclass(frozen=True)
 class SessionState:
     session_id: str
     tokens: tuple[int, ...] = ()  # committed: prompts and generations of every turn so far
@@ -99,6 +109,7 @@ class SessionState:
     stats: SessionStats = SessionStats()
     requests: int = 0
     owner: str = ""  # who may use the session (the API key's id at the REST edge)
+    turn: Turn | None = None  # the latest turn a client named with a request id
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from services.coordinator.gateway import MAX_BODY_BYTES, HttpServer, create_app
 from services.coordinator.requests import Limits
 from services.coordinator.frontend import Frontend
 from services.coordinator.model_info import load_model_info
+from services.coordinator.quotas import QuotaLimits, Quotas
 from services.coordinator.store import RedisSessionStore
 from services.draft import server as draft_server
 from services.draft.client import GrpcDrafter
@@ -45,8 +46,9 @@ class Cluster:
         audit_rate: float = 0.0,  # the coordinator's lossless audit (specd/audit.py): off unless a test asks
         draft_quantize: str = "none",
         target_quantize: str = "none",
+        quotas: QuotaLimits | None = None,  # per-key quotas (the coordinator's flags), off unless a test asks
     ):
-        self.redis_url, self.keys, self.audit_rate = redis_url, keys, audit_rate
+        self.redis_url, self.keys, self.audit_rate, self.quota_limits = redis_url, keys, audit_rate, quotas
         self.draft = draft_server.DraftServicer.load(
             EngineConfig(draft_dir, dtype=dtype, quantize=draft_quantize), "draft"
         )
@@ -75,7 +77,8 @@ class Cluster:
             GrpcVerifier([f"127.0.0.1:{ports['target']}"]),
             RedisSessionStore(self.redis_url),
         )
-        self.frontend = Frontend(self.services, self.model, self.limits, self.audit_rate)
+        quotas = self.quota_limits and Quotas(self.services.store.client, self.quota_limits, session_ttl_s=3600)
+        self.frontend = Frontend(self.services, self.model, self.limits, self.audit_rate, quotas)
         self.coordinator_servicer = coordinator_server.CoordinatorServicer(self.frontend, self.keys)
         register = coordinator_server.register(self.coordinator_servicer)
         server, ports["coordinator"] = await start_server(register, "127.0.0.1:0", max_message_bytes=MAX_BODY_BYTES)

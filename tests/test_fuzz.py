@@ -25,6 +25,7 @@ from services.protogen.specd.v1 import (
 from tests.cluster import Cluster
 
 KEY = "fuzz-key-0123456789abcdef"
+OTHER_KEY = "other-key-0123456789abcdef"  # a second client, for session lifecycles across keys
 AUTH = {"Authorization": f"Bearer {KEY}"}
 # Small generations so that the valid requests the fuzzer finds stay quick.
 LIMITS = Limits(default_max_tokens=4, max_tokens=8, max_prompt_tokens=256, max_prompt_chars=1024)
@@ -34,7 +35,7 @@ FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=list(Healt
 @pytest.fixture(scope="module")
 def cluster(tiny_pair, redis_url, tmp_path_factory):
     keys_file = tmp_path_factory.mktemp("keys") / "api-keys"
-    keys_file.write_text(f"fuzz:{KEY}\n")
+    keys_file.write_text(f"fuzz:{KEY}\nother:{OTHER_KEY}\n")
     c = Cluster(*tiny_pair, redis_url, dtype="float32", limits=LIMITS, keys=ApiKeys.from_file(keys_file))
     yield c
     c.close()
@@ -80,6 +81,59 @@ def test_rest_text_fields_with_any_code_points_never_answer_5xx(cluster, prompt,
     assert reply.status_code < 500, reply.text
     if reply.status_code >= 400:
         assert reply.json()["error"]["message"], reply.text
+
+
+lifecycle_ops = st.lists(st.tuples(
+    st.sampled_from(["turn", "get", "delete", "retry"]), st.sampled_from([KEY, OTHER_KEY]), st.sampled_from("abc"),
+    st.sampled_from([" one", " two", "\ud800", "x" * 2000]), st.booleans(),
+), min_size=1, max_size=12)
+
+
+@given(ops=lifecycle_ops)
+@settings(FUZZ, max_examples=25)
+def test_session_lifecycles_across_two_keys_stay_consistent_and_never_answer_5xx(cluster, ops):
+    """Turns (some with an Idempotency-Key, some retried), reads and releases in any order, by two
+    keys over the same few ids: each key sees exactly its own sessions, a retry never appends."""
+    import json
+    import uuid
+
+    import httpx
+
+    run = uuid.uuid4().hex[:8]
+    held: dict[tuple[str, str], int] = {}  # (key, id) -> committed length, as the client should see it
+    last: dict[tuple[str, str], tuple[str, dict]] = {}  # the last turn's Idempotency-Key and body
+    with httpx.Client(base_url=cluster.base_url, timeout=60) as client:
+        for op, key, name, prompt, keyed in ops:
+            auth, session = {"Authorization": f"Bearer {key}"}, f"{run}-{name}"
+            where = (key, session)
+            if op in ("turn", "retry"):
+                idem, body = last.get(where, (None, None)) if op == "retry" else (None, None)
+                if body is None:
+                    body = {"model": "tiny-target", "prompt": prompt, "max_tokens": 3, "session_id": session}
+                    idem = uuid.uuid4().hex if keyed else None
+                headers = auth | {"content-type": "application/json"} | ({"Idempotency-Key": idem} if idem else {})
+                reply = client.post("/v1/completions", content=json.dumps(body), headers=headers)  # "\ud800" escapes
+                assert reply.status_code in (200, 400), reply.text
+                if reply.status_code == 200:
+                    length = client.get(f"/v1/sessions/{session}", headers=auth).json()["length"]
+                    repeated = op == "retry" and idem is not None and where in held
+                    assert length == held[where] if repeated else length > held.get(where, 0)
+                    held[where] = length
+                    last[where] = (idem, body)
+            elif op == "get":
+                reply = client.get(f"/v1/sessions/{session}", headers=auth)
+                assert reply.status_code == (200 if where in held else 404), reply.text
+                if where in held:
+                    assert reply.json()["length"] == held[where] and reply.json()["session_id"] == session
+            else:
+                reply = client.delete(f"/v1/sessions/{session}", headers=auth)
+                assert reply.status_code == (200 if where in held else 404), reply.text
+                held.pop(where, None)
+                last.pop(where, None)
+            if reply.status_code >= 400:
+                assert reply.json()["error"]["message"], reply.text
+        for key, session in held:
+            assert client.delete(f"/v1/sessions/{session}", headers={"Authorization": f"Bearer {key}"}).status_code == 200
 
 
 def test_rest_server_still_serves_after_the_fuzzing(cluster):

@@ -157,18 +157,16 @@ def test_grpc_needs_the_key_too(cluster):
         assert len(reply.token_ids) == 2
 
 
-def test_a_session_belongs_to_the_key_that_created_it(cluster, client):
+def test_session_ids_are_per_key_so_one_key_never_reaches_anothers_session(cluster, client):
     session = f"gw-{time.time_ns()}"
     first = client.completions.create(
         model=MODEL_NAME, prompt="Once", temperature=0, max_tokens=4, extra_body={"session_id": session}
     )
     assert first.model_extra["specd"]["session_id"] == session
     alice, bob = http(cluster, ALICE), http(cluster, BOB)
-    assert alice.get(f"/v1/sessions/{session}").json()["requests"] == 1
-    assert bob.get(f"/v1/sessions/{session}").status_code == 404
-    turn = {"model": MODEL_NAME, "prompt": " more", "max_tokens": 2, "session_id": session}
-    assert bob.post("/v1/completions", json=turn).status_code == 404
-    assert bob.post("/v1/completions", json=turn | {"stream": True}).status_code == 404
+    alices = alice.get(f"/v1/sessions/{session}", params={"include_tokens": "true"}).json()
+    assert alices["requests"] == 1 and alices["session_id"] == session
+    assert bob.get(f"/v1/sessions/{session}").status_code == 404  # no oracle: Bob has no such session
     assert bob.delete(f"/v1/sessions/{session}").status_code == 404
     with grpc.insecure_channel(cluster.address("coordinator")) as channel:
         with pytest.raises(grpc.RpcError) as error:
@@ -176,17 +174,43 @@ def test_a_session_belongs_to_the_key_that_created_it(cluster, client):
                 coordinator_pb2.SessionRequest(session_id=session), metadata=[("authorization", f"Bearer {BOB}")]
             )
         assert error.value.code() == grpc.StatusCode.NOT_FOUND
+    # Bob using the same id gets a session of his own: he can neither continue nor squat Alice's.
+    turn = {"model": MODEL_NAME, "prompt": " more", "max_tokens": 2, "session_id": session}
+    assert bob.post("/v1/completions", json=turn).status_code == 200
+    bobs = bob.get(f"/v1/sessions/{session}").json()
+    assert bobs["requests"] == 1 and bobs["length"] == len(cluster.model.encode(" more")) + 2
+    assert alice.get(f"/v1/sessions/{session}", params={"include_tokens": "true"}).json() == alices
+    assert bob.delete(f"/v1/sessions/{session}").json()["released"] is True
     assert alice.post("/v1/completions", json=turn).status_code == 200
     summary = alice.get(f"/v1/sessions/{session}", params={"include_tokens": "true"}).json()
     assert summary["requests"] == 2 and len(summary["token_ids"]) == summary["length"]
+    assert summary["token_ids"][:alices["length"]] == alices["token_ids"]
     with grpc.insecure_channel(cluster.address("coordinator")) as channel:
         by_grpc = cluster.coordinator(channel).GetSession(
             coordinator_pb2.SessionRequest(session_id=session, include_tokens=True),
             metadata=[("authorization", f"Bearer {ALICE}")],
         )
     assert list(by_grpc.token_ids) == summary["token_ids"] and "token_ids" not in alice.get(f"/v1/sessions/{session}").json()
+    assert by_grpc.session_id == session
     assert alice.delete(f"/v1/sessions/{session}").json()["released"] is True
     assert alice.get(f"/v1/sessions/{session}").status_code == 404
+
+
+def test_an_idempotency_key_makes_a_retried_turn_return_the_first_instead_of_appending_it(cluster):
+    alice, session = http(cluster, ALICE), f"idem-{time.time_ns()}"
+    turn = {"model": MODEL_NAME, "prompt": "Once", "max_tokens": 6, "session_id": session, "temperature": 0}
+    first = alice.post("/v1/completions", json=turn, headers={"Idempotency-Key": "turn-1"}).json()
+    length = alice.get(f"/v1/sessions/{session}").json()["length"]
+    again = alice.post("/v1/completions", json=turn, headers={"Idempotency-Key": "turn-1"}).json()
+    assert again["choices"][0]["text"] == first["choices"][0]["text"]
+    assert alice.get(f"/v1/sessions/{session}").json()["length"] == length  # not appended twice
+    other = alice.post("/v1/completions", json=turn | {"prompt": "Twice"}, headers={"Idempotency-Key": "turn-1"})
+    assert other.status_code == 400 and "different request" in other.json()["error"]["message"]
+    bad = alice.post("/v1/completions", json=turn, headers={"Idempotency-Key": "no spaces allowed"})
+    assert bad.status_code == 400 and "Idempotency-Key" in bad.json()["error"]["message"]
+    assert alice.post("/v1/completions", json=turn, headers={"Idempotency-Key": "turn-2"}).status_code == 200
+    assert alice.get(f"/v1/sessions/{session}").json()["length"] > length  # a new id: a new turn
+    assert alice.delete(f"/v1/sessions/{session}").status_code == 200
 
 
 # --- limits and errors ----------------------------------------------------------------------

@@ -15,6 +15,7 @@ from specd.outage import DraftOutage
 from specd.policy import PolicyConfig
 from specd.session import Fenced
 from specd.stopping import StopRules
+from specd.validation import InvalidParams
 from tests.fakes import FakeDrafter, FakeStore, FakeVerifier, draft_rule, target_alone, target_rule
 
 PROMPT = (3, 1, 4, 1, 5)
@@ -277,3 +278,62 @@ def test_a_newer_request_on_the_session_fences_the_older_one():
 
     new = asyncio.run(interleave())
     assert isinstance(new[-1], Finished)
+
+
+# --- idempotent turns: a retry with the turn's request id ----------------------------------
+
+
+def turn(services: Services, req: GenerationRequest, request_id: str, stop_after_chunks: int | None = None) -> list:
+    """One turn of session "idem"; `stop_after_chunks`: the coordinator dies after that many chunks."""
+
+    async def collect():
+        events = []
+        stream = generate(req, "idem", services, decode, ephemeral=False, request_id=request_id)
+        async for event in stream:
+            events.append(event)
+            if stop_after_chunks is not None and len(events) == stop_after_chunks:
+                await stream.aclose()  # its rounds so far are saved; it never finishes
+                break
+        return events
+
+    return asyncio.run(collect())
+
+
+def test_a_retried_turn_goes_on_from_what_the_first_attempt_committed_and_holds_its_prompt_once():
+    store, drafter, verifier = FakeStore(), FakeDrafter(draft_rule(3)), FakeVerifier(target_rule)
+    services = Services(drafter, verifier, store, DraftOutage())
+    first = turn(services, request(max_tokens=24, k=3), "t-1")[-1]
+    second_req = request(max_tokens=30, k=3, prompt=(9, 9))
+    partial = turn(services, second_req, "t-2", stop_after_chunks=2)
+    assert not isinstance(partial[-1], Finished) and len(store.sessions["idem"][1].tokens) > 24 + 5 + 2
+    retried = turn(services, second_req, "t-2")
+    done = retried[-1]
+    history = [*PROMPT, *first.token_ids, 9, 9]
+    assert list(done.token_ids) == target_alone(history, 30)  # the whole turn, as uninterrupted
+    assert [t for e in retried if isinstance(e, Chunk) for t in e.token_ids] == list(done.token_ids)
+    assert list(store.sessions["idem"][1].tokens) == history + list(done.token_ids)  # the prompt once
+    assert store.sessions["idem"][1].requests == 2
+
+
+def test_a_retry_of_a_finished_turn_replies_with_it_and_calls_no_model():
+    store, drafter, verifier = FakeStore(), FakeDrafter(draft_rule(3)), FakeVerifier(target_rule)
+    services = Services(drafter, verifier, store, DraftOutage())
+    req = request(max_tokens=20, k=3, stop=("q",))
+    first = turn(services, req, "only-once")[-1]
+    held, calls = store.sessions["idem"][1].tokens, (drafter.calls, verifier.calls)
+    again = turn(services, req, "only-once")[-1]
+    assert (again.token_ids, again.text, again.finish_reason) == (first.token_ids, first.text, first.finish_reason)
+    assert store.sessions["idem"][1].tokens == held and (drafter.calls, verifier.calls) == calls
+    assert again.stats.rounds == 0
+    other = turn(services, req, "a-new-turn")[-1]  # a new id is a new turn: the prompt goes in again
+    assert len(store.sessions["idem"][1].tokens) == len(held) + len(PROMPT) + len(other.token_ids)
+
+
+def test_a_request_id_reused_for_a_different_request_is_refused():
+    store = FakeStore()
+    services = Services(FakeDrafter(draft_rule(3)), FakeVerifier(target_rule), store, DraftOutage())
+    turn(services, request(max_tokens=8), "same-id")
+    held = store.sessions["idem"][1].tokens
+    with pytest.raises(InvalidParams, match="different request"):
+        turn(services, request(max_tokens=8, prompt=(2, 7)), "same-id")
+    assert store.sessions["idem"][1].tokens == held

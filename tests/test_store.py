@@ -267,11 +267,12 @@ def test_a_session_stored_before_the_owner_field_keeps_its_owner_from_the_state(
 
 
 def test_racing_owners_cannot_share_a_session(server):
-    """Bob's request finds the id free, but alice's turn creates the session before bob's begins
-    (his request slowed between the check and the lease): the lease is refused, alice's turn stands."""
+    """Alice and Bob race for one id: each key's ids are its own, so both turns stand, each in its own
+    session. Below the frontend, the store's begin checks the owner and takes the lease in one step:
+    Bob's begin on Alice's stored session is refused even after his own check saw it free."""
     from types import SimpleNamespace
 
-    from services.coordinator.frontend import Frontend
+    from services.coordinator.frontend import Frontend, scoped
     from services.coordinator.requests import Limits
     from specd.loop import Finished, GenerationRequest, Services
     from specd.sampling import SamplingParams
@@ -300,15 +301,16 @@ def test_racing_owners_cannot_share_a_session(server):
             await asyncio.sleep(0.05)  # bob is past the owner check, waiting to begin
             alice = await turn(frontend, "alice", (1, 2, 3))
             with pytest.raises(SessionNotFound):
-                await bob
-            return alice, await store.get(sid)
+                await RedisSessionStore.begin(store, scoped(sid, "alice"), create=True, owner="bob")
+            return alice, await bob, await store.get(scoped(sid, "alice")), await store.get(scoped(sid, "bob"))
         finally:
             await store.close()
 
     sid, alice_done = new_id(), asyncio.Event()
-    alice, stored = asyncio.run(main())
-    assert isinstance(alice, Finished) and stored.owner == "alice" and stored.requests == 1
-    assert stored.tokens == (1, 2, 3, *alice.token_ids)
+    alice, bob, alices, bobs = asyncio.run(main())  # one id, two keys: two sessions, neither sees the other's
+    assert isinstance(alice, Finished) and alices.owner == "alice" and alices.requests == 1
+    assert alices.tokens == (1, 2, 3, *alice.token_ids)
+    assert isinstance(bob, Finished) and bobs.owner == "bob" and bobs.tokens == (9, 9, *bob.token_ids)
 
 
 def test_a_redis_with_a_password_refuses_clients_without_it(tmp_path):

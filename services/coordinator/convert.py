@@ -29,6 +29,7 @@ def client_request(msg: coordinator_pb2.GenerateRequest) -> ClientRequest:
         session_id=msg.session_id,
         speculation=optional("speculation"),
         max_draft_tokens=optional("max_draft_tokens"),
+        request_id=msg.request_id,
     )
 
 

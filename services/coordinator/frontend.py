@@ -1,8 +1,9 @@
-"""What every client edge (gRPC today, REST too) shares: sessions with owners, and the loop.
+"""What every client edge (gRPC today, REST too) shares: sessions with owners, quotas, and the loop.
 
-Edges validate and convert; the frontend runs a request on a session and enforces that a
-named session is only seen by the key that created it (anyone else gets "not found", so a
-session id is not an oracle). Errors stay domain exceptions; each edge maps them to codes.
+Edges validate and convert; the frontend runs a request on a session within its key's quotas
+(services/coordinator/quotas.py). Session ids are per key: a key's id `chat` is stored as
+`<key's tag>/chat`, so one key can neither see, probe nor take another's ids (the keyless
+owner's ids are stored as given). Errors stay domain exceptions; each edge maps them to codes.
 """
 
 from __future__ import annotations
@@ -22,22 +23,31 @@ from specd.policy import PolicyState
 from specd.session import SessionNotFound, SessionState
 from specd.validation import validate_that
 from services.common.metrics import CoordinatorMetrics
-from services.coordinator.requests import Limits, policy_config
 from services.coordinator.model_info import ModelInfo
+from services.coordinator.quotas import Quotas, owner_tag
+from services.coordinator.requests import Limits, policy_config
 
 tracer = trace.get_tracer(__name__)
 
 
+def scoped(session_id: str, owner: str) -> str:
+    """The stored id of `owner`'s session `session_id`."""
+    return f"{owner_tag(owner)}/{session_id}" if owner else session_id
+
+
 class Frontend:
-    def __init__(self, services: Services, model: ModelInfo, limits: Limits, audit_rate: float = 0.0):
-        self.services, self.model, self.limits = services, model, limits
+    def __init__(self, services: Services, model: ModelInfo, limits: Limits, audit_rate: float = 0.0,
+                 quotas: Quotas | None = None):
+        self.services, self.model, self.limits, self.quotas = services, model, limits, quotas
         self.metrics = CoordinatorMetrics()  # every edge's requests; served by the process (/metrics)
         self.auditor = Auditor(services, audit_rate, on_outcome=self.metrics.audited)  # specd/audit.py
 
     async def generate(
-        self, request: GenerationRequest, session_id: str = "", owner: str = ""
+        self, request: GenerationRequest, session_id: str = "", owner: str = "", request_id: str = ""
     ) -> AsyncIterator[Chunk | Finished]:
-        """Run a request; with a session id it continues (or starts) that session, else a one-off."""
+        """Run a request; with a session id it continues (or starts) that session, else a one-off.
+        `request_id` names a session's turn: sent again, the turn is not appended twice (specd.loop)."""
+        stored = scoped(session_id, owner) if session_id else ""
         if session_id:
             held = await self._owned_or_absent(session_id, owner)
             total = held + len(request.prompt) + request.rules.max_tokens
@@ -45,20 +55,26 @@ class Frontend:
                           f"session {session_id!r} holds {held} tokens: with this prompt ({len(request.prompt)}) and "
                           f"max_tokens ({request.rules.max_tokens}) it would outgrow the model's context of "
                           f"{self.model.max_context}; lower max_tokens or start a new session")
-        named = session_id or uuid.uuid4().hex
-        events = generate(request, named, self.services, self.model.decode, not session_id, owner=owner)
-        # aclosing: a client that goes away closes this generator, and the loop's must close with
-        # it now (freeing a one-off session's caches), not whenever it is garbage-collected.
-        async with contextlib.aclosing(events):
-            with self.metrics.request(len(request.prompt)) as tracked, _traced(named, request) as span:
-                async for event in events:
-                    if isinstance(event, Finished):
-                        tracked.finished(event)
-                        span.set_attributes(_outcome(event))
-                        self.auditor.offer(named, request, event)  # in the background: the client never waits
-                    else:
-                        tracked.chunk(event.token_ids)
-                    yield event
+        named = stored or uuid.uuid4().hex
+        admitted = (self.quotas.admit(owner, len(request.prompt), request.rules.max_tokens, stored)
+                    if self.quotas else contextlib.nullcontext())
+        async with admitted as ticket:
+            events = generate(request, named, self.services, self.model.decode, not session_id, owner=owner,
+                              request_id=request_id if session_id else "")
+            # aclosing: a client that goes away closes this generator, and the loop's must close with
+            # it now (freeing a one-off session's caches), not whenever it is garbage-collected.
+            async with contextlib.aclosing(events):
+                with self.metrics.request(len(request.prompt)) as tracked, _traced(named, request) as span:
+                    async for event in events:
+                        if isinstance(event, Finished):
+                            tracked.finished(event)
+                            span.set_attributes(_outcome(event))
+                            self.auditor.offer(named, request, event)  # in the background: the client never waits
+                        else:
+                            tracked.chunk(event.token_ids)
+                            if ticket:
+                                ticket.generated += len(event.token_ids)
+                        yield event
 
     async def learn_row_blocks(self) -> tuple[int, ...]:
         """The row counts the target's passes run at (`Limits.row_blocks` None: ask the first target
@@ -77,20 +93,24 @@ class Frontend:
         return await calibration.seed_prior(self.services, self.model.decode, config)
 
     async def session(self, session_id: str, owner: str = "") -> SessionState:
-        state = await self.services.store.get(session_id)
+        """`owner`'s session `session_id` (as the client names it)."""
+        state = await self.services.store.get(scoped(session_id, owner))
         if state is None or state.owner != owner:
             raise SessionNotFound(f"no session {session_id!r} (released, expired, or not yours)")
-        return state
+        return replace(state, session_id=session_id)
 
     async def release(self, session_id: str, owner: str = "") -> None:
         await self.session(session_id, owner)
-        await self.services.store.delete(session_id)
-        await self.services.drafter.release(session_id)
-        await self.services.verifier.release(session_id)
+        stored = scoped(session_id, owner)
+        await self.services.store.delete(stored)
+        await self.services.drafter.release(stored)
+        await self.services.verifier.release(stored)
+        if self.quotas:
+            await self.quotas.forget_session(owner, stored)
 
     async def _owned_or_absent(self, session_id: str, owner: str) -> int:
         """The tokens the session holds (0: a new one); not found if another key owns it."""
-        state = await self.services.store.get(session_id)
+        state = await self.services.store.get(scoped(session_id, owner))
         if state is not None and state.owner != owner:
             raise SessionNotFound(f"no session {session_id!r} (released, expired, or not yours)")
         return len(state.tokens) if state else 0

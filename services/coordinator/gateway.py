@@ -3,8 +3,9 @@ models (with what each target replica runs), specd's sessions, health. Served by
 the coordinator process, next to the gRPC API, over the same Frontend.
 
 Every error is an OpenAI-style body with a 4xx for what the client can fix: bad JSON or
-fields 400, no key 401, someone else's session 404, too large a body 413, a model service
-out of capacity 429. A client that goes away (disconnect, its own timeout) cancels its
+fields 400, no key 401, someone else's session 404, too large a body 413, a key over its
+quota or a model service out of capacity 429 (with Retry-After for a quota). A named session's
+turn may carry an `Idempotency-Key` header: its retry does not append the turn twice. A client that goes away (disconnect, its own timeout) cancels its
 generation, and a one-off session's caches are freed at once (the loop's `finally`).
 """
 
@@ -14,6 +15,7 @@ import asyncio
 import contextlib
 import json
 import time
+from dataclasses import replace
 from typing import AsyncIterator, Awaitable, TypeVar
 
 import grpc
@@ -36,6 +38,7 @@ from services.coordinator import openai_api, requests
 from services.coordinator.auth import ApiKeys, Unauthenticated
 from services.coordinator.frontend import Frontend
 from services.coordinator.openai_api import ChatCompletionRequest, CompletionRequest, Reply, error_body
+from services.coordinator.quotas import QuotaExceeded
 
 DEFAULT_HTTP_PORT = 8000
 MAX_BODY_BYTES = 1024 * 1024
@@ -146,9 +149,10 @@ def _openapi(app: FastAPI, model_name: str) -> dict:
 
 
 async def _respond(frontend: Frontend, reply: Reply, body, client_request, owner: str, request: Request):
+    client_request = replace(client_request, request_id=request.headers.get("idempotency-key", ""))
     generation = requests.generation_request(client_request, frontend.model, frontend.limits)
     reply.prompt_tokens, reply.session_id = len(generation.prompt), client_request.session_id
-    events = frontend.generate(generation, client_request.session_id, owner)
+    events = frontend.generate(generation, client_request.session_id, owner, client_request.request_id)
     if body.stream:
         return await _stream(events, reply, openai_api.include_usage(body))
     done = await _until_disconnected(request, _last(events))
@@ -222,6 +226,8 @@ def _error(error: Exception) -> tuple[int, dict]:
         return 400, error_body(_message(error))
     if isinstance(error, Unauthenticated):
         return 401, error_body(str(error), "authentication_error", "invalid_api_key")
+    if isinstance(error, QuotaExceeded):
+        return 429, error_body(str(error), "rate_limit_error", "quota_exceeded")
     if isinstance(error, (SessionNotFound, ModelNotFound)):
         return 404, error_body(str(error.args[0]), "not_found_error")
     if isinstance(error, Fenced):
@@ -248,6 +254,8 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def handle(request: Request, error: Exception) -> JSONResponse:
         status, payload = _error(error)
         headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+        if isinstance(error, QuotaExceeded):
+            headers = {"Retry-After": str(error.retry_after_s)}
         return JSONResponse(payload, status_code=status, headers=headers)
 
     async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
@@ -255,7 +263,7 @@ def _add_error_handlers(app: FastAPI) -> None:
         return JSONResponse(error_body(str(error.detail), kind), status_code=error.status_code, headers=error.headers)
 
     for kind in (InvalidParams, RequestValidationError, Unauthenticated, SessionNotFound, ModelNotFound, Fenced,
-                 grpc.aio.AioRpcError, redis.exceptions.ConnectionError):
+                 grpc.aio.AioRpcError, redis.exceptions.ConnectionError, QuotaExceeded):
         app.add_exception_handler(kind, handle)
     app.add_exception_handler(StarletteHTTPException, http_error)
 

@@ -49,13 +49,14 @@ class ClientRequest:
     session_id: str = ""
     speculation: bool | None = None  # False: plain target decoding
     max_draft_tokens: int | None = None  # upper bound for adaptive K
+    request_id: str = ""  # names a session's turn: a retry with it does not append the prompt again
 
 
-SESSION_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+SESSION_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")  # session and request ids alike
 
 
-def session_id(value: str) -> str:
-    validate_that(SESSION_ID.fullmatch(value) is not None, "session_id must be 1..128 of A-Z a-z 0-9 . _ : -")
+def session_id(value: str, name: str = "session_id") -> str:
+    validate_that(SESSION_ID.fullmatch(value) is not None, f"{name} must be 1..128 of A-Z a-z 0-9 . _ : -")
     return value
 
 
@@ -72,6 +73,8 @@ def generation_request(req: ClientRequest, model: ModelInfo, limits: Limits) -> 
     validate_that(1 <= max_k <= limits.max_k, f"max_draft_tokens must be in [1, {limits.max_k}]")
     if req.session_id:
         session_id(req.session_id)
+    if req.request_id:
+        session_id(req.request_id, "request id (Idempotency-Key)")
     validate_that(len(req.stop) <= limits.max_stop_strings, f"at most {limits.max_stop_strings} stop strings")
     validate_that(
         all(0 < len(s) <= limits.max_stop_chars for s in req.stop),

@@ -22,6 +22,7 @@ from services.coordinator.auth import ApiKeys
 from services.coordinator.frontend import Frontend
 from services.coordinator.gateway import DEFAULT_HTTP_PORT, MAX_BODY_BYTES
 from services.coordinator.model_info import load_model_info
+from services.coordinator.quotas import QuotaLimits, Quotas
 from services.coordinator.requests import Limits
 from services.coordinator.store import RedisSessionStore
 from services.target import client as target_client
@@ -109,6 +110,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                  help="benchmarks: add this round-trip delay to every model-service call")
     settings.add(parser, "--http-port", type=int, default=DEFAULT_HTTP_PORT, help="REST (OpenAI) port; -1: no REST")
     settings.add(parser, "--api-keys-file", type=Path, help="API keys, one `name:key` a line (unset: no auth)")
+    settings.add(parser, "--key-max-in-flight", type=int, default=QuotaLimits.in_flight,
+                 help="requests one API key may have running at once, over every coordinator (0: no limit); "
+                      "more get 429 / RESOURCE_EXHAUSTED with Retry-After")
+    settings.add(parser, "--key-max-sessions", type=int, default=QuotaLimits.sessions,
+                 help="named sessions one API key may hold (0: no limit)")
+    settings.add(parser, "--key-tokens-per-minute", type=int, default=QuotaLimits.tokens_per_minute,
+                 help="prompt + generated tokens one API key may use per minute (0: no limit)")
     settings.add(parser, "--served-model-name", help="the model id REST clients name (default: the model dir's name)")
     settings.add(parser, "--max-body-bytes", type=int, default=MAX_BODY_BYTES,
                  help="largest REST request body, and gRPC request message")
@@ -149,7 +157,9 @@ def build(args: argparse.Namespace, drafter: Drafter, verifier: Verifier) -> Fro
     password = args.redis_password_file.read_text().strip() if args.redis_password_file else None
     store = RedisSessionStore(args.redis_url, ttl_s=args.session_ttl_s, password=password)
     services = Services(drafter, verifier, store, DraftOutage(args.draft_timeout_s))
-    return Frontend(services, load_model_info(args.model_dir), limits, args.audit_rate)
+    quota_limits = QuotaLimits(args.key_max_in_flight, args.key_max_sessions, args.key_tokens_per_minute)
+    quotas = Quotas(store.client, quota_limits, args.session_ttl_s)
+    return Frontend(services, load_model_info(args.model_dir), limits, args.audit_rate, quotas)
 
 
 def api_keys(args: argparse.Namespace) -> ApiKeys:

@@ -19,6 +19,7 @@ from services.common.client import set_request_deadline
 from services.coordinator import convert, requests
 from services.coordinator.auth import ApiKeys, Unauthenticated
 from services.coordinator.frontend import Frontend
+from services.coordinator.quotas import QuotaExceeded
 from services.protogen.specd.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 # Downstream failures the client can act on keep their code; anything else is ours.
@@ -38,7 +39,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     ) -> AsyncIterator[coordinator_pb2.GenerateResponse]:
         owner = await self._owner(context)
         generation = await self._validated(request, context)
-        async for event in self._events(generation, request.session_id, owner, context):
+        async for event in self._events(generation, request, owner, context):
             if isinstance(event, Chunk):
                 yield coordinator_pb2.GenerateResponse(token_ids=event.token_ids, text=event.text)
             else:
@@ -50,7 +51,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     ) -> coordinator_pb2.CompleteResponse:
         owner = await self._owner(context)
         generation = await self._validated(request, context)
-        async with contextlib.aclosing(self._events(generation, request.session_id, owner, context)) as events:
+        async with contextlib.aclosing(self._events(generation, request, owner, context)) as events:
             async for event in events:
                 if isinstance(event, Finished):
                     return convert.complete_response(event, len(generation.prompt))
@@ -92,12 +93,19 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
     async def _events(
-        self, generation: GenerationRequest, session_id: str, owner: str, context: grpc.aio.ServicerContext
+        self, generation: GenerationRequest, request: coordinator_pb2.GenerateRequest, owner: str,
+        context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[Chunk | Finished]:
         set_request_deadline(context.time_remaining())
+        session_id = request.session_id
         try:
-            async for event in self.frontend.generate(generation, session_id, owner):
+            async for event in self.frontend.generate(generation, session_id, owner, request.request_id):
                 yield event
+        except QuotaExceeded as e:
+            # retry-after in seconds, as REST's header; grpc-retry-pushback-ms for gRPC's own retry policy
+            context.set_trailing_metadata((("retry-after", str(e.retry_after_s)),
+                                           ("grpc-retry-pushback-ms", str(e.retry_after_s * 1000))))
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except grpc.aio.AioRpcError as e:
             code = e.code() if e.code() in PASSED_THROUGH else grpc.StatusCode.INTERNAL
             await context.abort(code, f"model service failed: {e.code().name}: {e.details()}")

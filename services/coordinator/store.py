@@ -84,6 +84,11 @@ class RedisSessionStore:
         self._begin = self._redis.register_script(BEGIN_LUA)
         self._save = self._redis.register_script(SAVE_LUA)
 
+    @property
+    def client(self) -> aioredis.Redis:
+        """Its connection pool, which the key quotas share (services/coordinator/quotas.py)."""
+        return self._redis
+
     def _keys(self, session_id: str) -> list[str]:
         base = f"{self._prefix}:{{{session_id}}}"
         return [f"{base}:meta", f"{base}:tokens"]

@@ -47,7 +47,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("text", "token_ids", "max_tokens", "stop", "temperature", "top_k", "top_p", "seed", "num_draft_tokens", "ignore_eos", "session_id", "speculation", "max_draft_tokens")
+    __slots__ = ("text", "token_ids", "max_tokens", "stop", "temperature", "top_k", "top_p", "seed", "num_draft_tokens", "ignore_eos", "session_id", "speculation", "max_draft_tokens", "request_id")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -61,6 +61,7 @@ class GenerateRequest(_message.Message):
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
     MAX_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: TokenIds
     max_tokens: int
@@ -74,7 +75,8 @@ class GenerateRequest(_message.Message):
     session_id: str
     speculation: bool
     max_draft_tokens: int
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., session_id: _Optional[str] = ..., speculation: _Optional[bool] = ..., max_draft_tokens: _Optional[int] = ...) -> None: ...
+    request_id: str
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., session_id: _Optional[str] = ..., speculation: _Optional[bool] = ..., max_draft_tokens: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "rounds", "drafted_tokens", "accepted_tokens", "mean_acceptance_length", "accepted_per_position", "drafted_per_position", "fallbacks", "mode", "resyncs", "judged_tokens", "draft_compute_s", "verify_compute_s", "round_wall_s", "reused_drafts", "sibling_tokens", "outage_rounds")
