@@ -87,7 +87,9 @@ def main(argv: list[str] | None = None) -> None:
     settings.add(up, "--api-keys-file", type=Path, help="API keys, one `name:key` a line (unset: no auth)")
     settings.add(up, "--service-tls", default="on", choices=("on", "off"),
                  help="mutual TLS between the coordinator and the model services, with certificates made for "
-                      "this run (off: plaintext on loopback)")
+                      "this run unless --tls-dir is given (off: plaintext on loopback)")
+    settings.add(up, "--tls-dir", type=Path, help="with --service-tls on: use this `specd certs` set (to call the "
+                 "model services yourself with its coordinator certificate)")
     settings.add(up, "--draft-model-dir", type=Path, help="serve this draft instead of the fetched one")
     settings.add(up, "--target-model-dir", type=Path, help="serve this target instead of the fetched one")
     up.add_argument("--tracing", action="store_true", help="start a local Phoenix and send every service's spans to it")
@@ -124,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     settings.add(ray, "--target-model-dir", type=Path, help="serve this target instead of the fetched one")
     ray.set_defaults(run=cmd_serve_ray)
 
-    # Its flags belong to benchmarks/bench.py (`specd bench -h`), which imports torch: passed through.
+    # Its flags belong to benchmarks/bench.py (`specd bench -h`), run as its own program: passed through.
     bench = commands.add_parser("bench", add_help=False, help="plain vs fixed K vs adaptive vs HF assisted, one run")
     bench.set_defaults(run=cmd_bench)
 
@@ -206,7 +208,9 @@ def cmd_up(args: argparse.Namespace) -> int:
         # Both model services open this file and take turns at the cores by locking it (services/common/worker.py).
         cores_lock = run_dir / "cores.lock" if args.core_turns == "on" else None
         tls_dir = None
-        if args.service_tls == "on":
+        if args.service_tls == "on" and args.tls_dir:
+            tls_dir = args.tls_dir
+        elif args.service_tls == "on":
             from services.common import certs
 
             certs.make(tls_dir := run_dir / "tls", days=7)
@@ -390,9 +394,8 @@ def cmd_health(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from benchmarks import bench
-
-    return bench.main(args.passed)
+    """The benchmark is its own program (`python -m benchmarks.bench`): services never import benchmarks."""
+    os.execv(sys.executable, [sys.executable, "-m", "benchmarks.bench", *args.passed])
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -197,6 +197,27 @@ class StaleSession(Exception):
         self.position = position
 
 
+class EngineError(Exception):
+    """Base class for a model engine's errors a caller can act on (specd/engine.py raises them;
+    they live here so that the services' error mapping needs no torch)."""
+
+
+class SessionsFull(EngineError):
+    """max_sessions are held and none has been idle long enough to evict."""
+
+
+class PositionMismatch(EngineError):
+    """The caller's idea of the session length is ahead of the engine's: re-sync from `position`."""
+
+    def __init__(self, message: str, position: int):
+        super().__init__(message)
+        self.position = position  # the session's actual length (0 for an unknown session)
+
+
+class ContextTooLong(EngineError):
+    """The session would exceed max_context tokens."""
+
+
 def validate_session_id(session_id: str) -> str:
     validate_that(0 < len(session_id) <= MAX_SESSION_ID, f"session_id must be 1..{MAX_SESSION_ID} characters")
     return session_id

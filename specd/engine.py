@@ -27,6 +27,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, GenerationConfig
 
 from specd import fused, kernels, numerics, qwen2, ragged
+from specd.contracts import ContextTooLong, EngineError, PositionMismatch, SessionsFull  # noqa: F401 (raised here)
 
 DTYPES = {
     "float32": torch.float32,
@@ -50,28 +51,8 @@ class EngineConfig:
     fused_int8: bool = True  # int8: fused projections without module calls, same logits (specd/fused.py)
 
 
-class EngineError(Exception):
-    """Base class for engine errors a caller can act on."""
-
-
-class SessionsFull(EngineError):
-    """max_sessions are held and none has been idle long enough to evict."""
-
-
-class PositionMismatch(EngineError):
-    """The caller's idea of the session length is ahead of the engine's: re-sync from `position`."""
-
-    def __init__(self, message: str, position: int):
-        super().__init__(message)
-        self.position = position  # the session's actual length (0 for an unknown session)
-
-
 class WrongThread(RuntimeError):
     """The model was run from a thread other than the one that built the engine."""
-
-
-class ContextTooLong(EngineError):
-    """The session would exceed max_context tokens."""
 
 
 @dataclass

@@ -105,8 +105,9 @@ def up_commands(monkeypatch, *argv: str) -> dict[str, list[str]]:
     monkeypatch.setattr(cli, "cmd_up", lambda args: parsed.append(args) or 0)
     with pytest.raises(SystemExit):
         cli.main(["up", *argv])
-    tls_dir = Path("tls") if parsed[0].service_tls == "on" else None  # cmd_up makes it in its run directory
-    return cli._commands(parsed[0], {"draft": Path("d"), "target": Path("t")}, None, tls_dir)
+    args = parsed[0]  # cmd_up makes a set in its run directory unless --tls-dir names one
+    tls_dir = (args.tls_dir or Path("tls")) if args.service_tls == "on" else None
+    return cli._commands(args, {"draft": Path("d"), "target": Path("t")}, None, tls_dir)
 
 
 def value(command: list[str], flag: str) -> str:

@@ -54,8 +54,11 @@ def http(cluster, key: str | None = ALICE) -> httpx.Client:
 GREEDY = dict(temperature=0, max_tokens=N_TOKENS, extra_body={"ignore_eos": True})
 
 
-def chat_prompt_ids(cluster, messages) -> list[int]:
-    ids = cluster.model.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+def chat_prompt_ids(target_dir, messages) -> list[int]:
+    """transformers' own rendering and tokenization, as a reference for the coordinator's."""
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(target_dir).apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     return list(ids if isinstance(ids, list) else ids["input_ids"])
 
 
@@ -95,9 +98,9 @@ def test_streamed_completion_joins_to_the_same_text_and_reports_usage(cluster, c
     assert len({c.id for c in chunks}) == 1
 
 
-def test_chat_completion_uses_the_chat_template_and_is_the_targets_greedy_text(cluster, client, reference):
+def test_chat_completion_uses_the_chat_template_and_is_the_targets_greedy_text(cluster, client, reference, tiny_pair):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hi."}]
-    prompt_ids = chat_prompt_ids(cluster, messages)
+    prompt_ids = chat_prompt_ids(tiny_pair[1], messages)
     expected = cluster.model.decode(reference(prompt_ids, N_TOKENS))
     reply = client.chat.completions.create(model=MODEL_NAME, messages=messages, **GREEDY)
     assert reply.choices[0].message.role == "assistant"

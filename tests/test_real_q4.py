@@ -15,6 +15,8 @@ import grpc
 import httpx
 import pytest
 
+from services.common import certs
+from services.common.tls import CALLER, TlsFiles, channel_options
 from services.protogen.specd.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, target_pb2_grpc
 from tests.test_real_pair import N_TOKENS, PROMPTS, specd_up, target_dir  # noqa: F401 (a fixture)
 
@@ -22,10 +24,12 @@ pytestmark = pytest.mark.real
 
 
 @pytest.fixture(scope="module")
-def deployment(target_dir) -> Iterator[dict]:  # noqa: F811
+def deployment(target_dir, tmp_path_factory) -> Iterator[dict]:  # noqa: F811
     log: list[str] = []
-    with specd_up(log=log) as ports:
-        yield ports | {"log": log}
+    tls_dir = tmp_path_factory.mktemp("tls")
+    certs.make(tls_dir)  # the services speak mutual TLS, as by default; the test calls the target with these
+    with specd_up("--tls-dir", str(tls_dir), log=log) as ports:
+        yield ports | {"log": log, "tls": tls_dir}
 
 
 def complete(deployment: dict[str, int], prompt: str, **fields) -> coordinator_pb2.CompleteResponse:
@@ -35,7 +39,9 @@ def complete(deployment: dict[str, int], prompt: str, **fields) -> coordinator_p
 
 
 def test_specd_up_runs_the_q4_target_by_default(deployment):
-    with grpc.insecure_channel(f"127.0.0.1:{deployment['target-port']}") as channel:
+    credentials = TlsFiles(deployment["tls"], CALLER).channel_credentials()
+    with grpc.secure_channel(f"127.0.0.1:{deployment['target-port']}", credentials,
+                             options=channel_options("target")) as channel:
         info = target_pb2_grpc.TargetServiceStub(channel).GetEngineInfo(common_pb2.EngineInfoRequest(), timeout=30)
     assert (info.quantize, info.numerics, info.invariant) == ("auto", "q4", True)
     assert list(info.row_blocks) == []  # it runs the rows it is fed

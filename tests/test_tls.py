@@ -138,3 +138,5 @@ def test_specd_up_runs_every_service_on_mutual_tls_unless_told_not_to(monkeypatc
     assert {name: value(cmd, "--tls-dir") for name, cmd in commands.items()} == {
         name: "tls" for name in ("draft-0", "draft-1", "target-0", "coordinator")}
     assert not any("--tls-dir" in cmd for cmd in up_commands(monkeypatch, "--service-tls", "off").values())
+    given = up_commands(monkeypatch, "--tls-dir", "/etc/mine")  # a set of one's own, to call the services too
+    assert {value(cmd, "--tls-dir") for cmd in given.values()} == {"/etc/mine"}

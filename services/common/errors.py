@@ -8,7 +8,7 @@ from typing import Awaitable, Callable, TypeVar
 import grpc
 
 from specd.contracts import StaleSession
-from specd.engine import ContextTooLong, PositionMismatch, SessionsFull
+from specd.contracts import ContextTooLong, PositionMismatch, SessionsFull
 
 POSITION_KEY = "specd-position"
 R = TypeVar("R")

@@ -95,11 +95,9 @@ def chat_request(body: ChatCompletionRequest, model: ModelInfo) -> ClientRequest
     _refuse_unsupported(body)
     validate_that(body.tools is None and body.tool_choice is None, "tools are not supported")
     validate_that(body.response_format in (None, {"type": "text"}), "response_format is not supported")
-    validate_that(model.tokenizer.chat_template is not None, "this model has no chat template: use /v1/completions")
+    validate_that(model.chat_template is not None, "this model has no chat template: use /v1/completions")
     messages = [{"role": m.role, "content": _message_text(m)} for m in body.messages]
-    token_ids = model.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    if not isinstance(token_ids, list):  # transformers 5 returns a BatchEncoding
-        token_ids = token_ids["input_ids"]
+    token_ids = model.chat_prompt(messages)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     return _client_request(body, token_ids=tuple(token_ids), max_tokens=max_tokens)
 
