@@ -53,6 +53,8 @@ def main(argv: list[str] | None = None) -> None:
     certs.add_argument("--days", type=int, default=365, help="how long they are valid (default 365)")
     certs.add_argument("--owner", type=int, help="uid to give the files to (an init container running as root)")
     certs.add_argument("--keep", action="store_true", help="do nothing when the directory has a set already")
+    certs.add_argument("--redis-host", action="append", default=[],
+                       help="another name Redis is reached by, for its certificate (repeatable)")
     certs.set_defaults(run=cmd_certs)
 
     up = commands.add_parser("up", help="start draft, target and coordinator on this machine and wait")
@@ -175,7 +177,7 @@ def cmd_certs(args: argparse.Namespace) -> int:
     if args.keep and (args.dir / CA_FILE).exists():
         print(f"{args.dir}: a certificate set exists already; nothing changed")
         return 0
-    for path in certs.make(args.dir, args.days, args.owner):
+    for path in certs.make(args.dir, args.days, args.owner, redis_hosts=tuple(args.redis_host)):
         print(f"wrote {path}")
     return 0
 

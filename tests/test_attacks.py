@@ -1,5 +1,5 @@
 """The attacks of a security review, played against one deployment of real processes (mutual TLS
-between the services, API keys and quotas at the edge, Redis with a password): each is refused
+between the services, API keys and quotas at the edge, Redis over TLS with a password): each is refused
 or answered with its status, and the victim's session goes on exactly as if nothing happened."""
 
 from __future__ import annotations
@@ -21,14 +21,15 @@ MAX_SESSIONS = 3
 N = 8
 
 
-def test_attacks_are_refused_and_the_victim_loses_nothing(procs, tiny_pair, tmp_path, model, target_alone):
+def test_attacks_are_refused_and_the_victim_loses_nothing(procs, tiny_pair, tmp_path, model, target_alone,
+                                                         tls_redis_binary):
     draft_dir, target_dir = tiny_pair
     tls_dir = tmp_path / "tls"
     certs.make(tls_dir)
     keys_file = tmp_path / "api-keys"
     keys_file.write_text("".join(f"{name}:{key}\n" for name, key in KEYS.items()))
     http_port = free_port()
-    with LocalRedis(password="redis-secret-for-the-test") as redis:
+    with LocalRedis(password="redis-secret-for-the-test", tls_dir=tls_dir, binary=tls_redis_binary) as redis:
         draft, target = procs(tls_model_service("draft", draft_dir, tmp_path, tls_dir),
                               tls_model_service("target", target_dir, tmp_path, tls_dir))
         procs(coordinator(target_dir, [draft.address], [target.address], redis.url, tmp_path,

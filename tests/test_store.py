@@ -313,6 +313,27 @@ def test_racing_owners_cannot_share_a_session(server):
     assert isinstance(bob, Finished) and bobs.owner == "bob" and bobs.tokens == (9, 9, *bob.token_ids)
 
 
+def test_a_redis_over_tls_serves_sessions_and_refuses_plaintext_and_strangers(tmp_path, tls_redis_binary):
+    from services.common import certs
+
+    certs.make(tmp_path / "tls")
+    certs.make(tmp_path / "other")
+    with LocalRedis(dir=tmp_path, password="tls-test-pass", tls_dir=tmp_path / "tls", binary=tls_redis_binary) as server:
+        assert server.url.startswith("rediss://")
+
+        async def body(store):
+            lease, state = await store.begin(new_id(), create=True)
+            await store.save(lease, dataclasses.replace(state, tokens=(4, 2)), appended_from=0)
+            return await store.get(lease.session_id)
+
+        assert run(server.url, body).tokens == (4, 2)
+        with pytest.raises(redis.exceptions.ConnectionError):  # plaintext to the TLS port
+            redis.Redis(port=server.port, password="tls-test-pass", socket_timeout=2).ping()
+        stranger = server.url.replace(str(tmp_path / "tls"), str(tmp_path / "other"))
+        with pytest.raises(redis.exceptions.ConnectionError):  # a server certificate of another CA
+            redis.Redis.from_url(stranger, socket_timeout=2).ping()
+
+
 def test_a_redis_with_a_password_refuses_clients_without_it(tmp_path):
     with LocalRedis(dir=tmp_path, password="s3cret-pass") as protected:
         assert protected.url.startswith("redis://:s3cret-pass@127.0.0.1:")

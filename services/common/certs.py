@@ -1,12 +1,14 @@
 """`specd certs`: a deployment's certificates for mutual TLS (services/common/tls.py): a new CA
 and, signed by it, one certificate per role naming `specd-<role>` — the model services' for
-serving, the coordinator's for calling them. The CA's key is never written: to re-issue, make a
+serving, the coordinator's for calling them, and Redis's (also naming its host names) for a
+store served over TLS. The CA's key is never written: to re-issue, make a
 new set and replace the old one everywhere (a stolen set cannot mint more). Keys are ECDSA P-256,
 0600; certificates 0644; the directory 0700."""
 
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import os
 from pathlib import Path
 
@@ -17,9 +19,12 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from services.common.tls import CA_FILE, CALLER, cert_file, identity, key_file
 
-SERVERS = ("draft", "target")
+SERVERS = ("draft", "target", "redis")
 ROLES = (*SERVERS, CALLER)
 DEFAULT_DAYS = 365
+# Redis is reached by its host name (rediss://HOST:6379), which its certificate must name:
+# loopback (`specd up`), compose's service and the k8s StatefulSet's pod; `specd certs --redis-host` adds more.
+REDIS_HOSTS = ("localhost", "127.0.0.1", "redis", "redis-0.redis", "redis-0.redis.specd.svc.cluster.local")
 
 
 def _name(common_name: str) -> x509.Name:
@@ -53,13 +58,22 @@ def new_ca(days: int = DEFAULT_DAYS) -> tuple[x509.Certificate, ec.EllipticCurve
     return cert, key
 
 
+def _alt_name(name: str) -> x509.GeneralName:
+    try:
+        return x509.IPAddress(ipaddress.ip_address(name))
+    except ValueError:
+        return x509.DNSName(name)
+
+
 def issue(directory: Path, ca: x509.Certificate, ca_key: ec.EllipticCurvePrivateKey, role: str, client: bool,
-          days: int = DEFAULT_DAYS) -> list[Path]:
-    """`role`'s certificate (naming `specd-<role>`, for TLS clients or servers) and key; returns both paths."""
+          days: int = DEFAULT_DAYS, hosts: tuple[str, ...] = ()) -> list[Path]:
+    """`role`'s certificate (naming `specd-<role>` and `hosts`, for TLS clients or servers) and key;
+    returns both paths."""
     key = ec.generate_private_key(ec.SECP256R1())
     usage = ExtendedKeyUsageOID.CLIENT_AUTH if client else ExtendedKeyUsageOID.SERVER_AUTH
+    names = [x509.DNSName(identity(role)), *(_alt_name(h) for h in hosts)]
     cert = (_builder(_name(identity(role)), ca.subject, key, days)
-            .add_extension(x509.SubjectAlternativeName([x509.DNSName(identity(role))]), critical=False)
+            .add_extension(x509.SubjectAlternativeName(names), critical=False)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
             .sign(ca_key, hashes.SHA256()))
@@ -72,7 +86,7 @@ def issue(directory: Path, ca: x509.Certificate, ca_key: ec.EllipticCurvePrivate
 
 
 def make(directory: Path, days: int = DEFAULT_DAYS, owner: int | None = None, more_clients: tuple[str, ...] = (),
-         per_role: bool = False) -> list[Path]:
+         per_role: bool = False, redis_hosts: tuple[str, ...] = ()) -> list[Path]:
     """Write ca.pem and every role's certificate and key into `directory` (`per_role`: each role's
     with a copy of ca.pem into `directory/<role>`, a directory one container mounts); returns the files.
     `more_clients`: other client identities the same CA signs (tests: a peer that is not the coordinator)."""
@@ -84,7 +98,8 @@ def make(directory: Path, days: int = DEFAULT_DAYS, owner: int | None = None, mo
         _write(where / CA_FILE, ca.public_bytes(serialization.Encoding.PEM), 0o644)
         written.append(where / CA_FILE)
     for role, where in places.items():
-        written += issue(where, ca, ca_key, role, client=role == CALLER or role in more_clients, days=days)
+        hosts = (*REDIS_HOSTS, *redis_hosts) if role == "redis" else ()
+        written += issue(where, ca, ca_key, role, client=role == CALLER or role in more_clients, days=days, hosts=hosts)
     if owner is not None:
         for path in {directory, *places.values(), *written}:
             os.chown(path, owner, owner)
