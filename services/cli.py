@@ -17,6 +17,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from specd.policy import PolicyConfig
 from services.common import settings
 from services.common.phoenix import PROJECT, LocalPhoenix
 from services.common.redis_server import LocalRedis
@@ -75,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
                  "waits for them up to this fraction of a pass (0: never; default: the services')")
     settings.add(up, "--core-turns", default="on", choices=("on", "off"),
                  help="on | off: draft and target take turns at this machine's cores instead of oversubscribing them")
-    settings.add(up, "--default-k", type=int, default=4, help="draft tokens per round")
+    settings.add(up, "--default-k", type=int, default=PolicyConfig.default_k, help="draft tokens per round")
     settings.add(up, "--draft-confidence", help="adaptive K: the draft stops after a token it gave a probability "
                  "below this (0: off; default: the coordinator's)")
     settings.add(up, "--pipeline", default="off", help="off | on | auto: draft ahead while the target verifies")

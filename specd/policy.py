@@ -91,7 +91,7 @@ PIPELINE_MODES = ("off", "on", "auto")
 
 @dataclass(frozen=True)
 class PolicyConfig:
-    max_k: int = 8  # the server's bound; a request may lower it
+    max_k: int = 16  # the server's bound; a request may lower it
     default_k: int = 4  # K before anything is measured, and the fixed K when not adaptive
     probe_k: int = 1  # K of a probe in plain mode: the cheapest probe; a good draft passes it as often as K = 4
     adaptive: bool = True  # False: K stays min(default_k, max_k); the fallback still guards
@@ -103,7 +103,8 @@ class PolicyConfig:
     alpha_window: int = 16  # rounds of evidence behind α (its counts decay by 1 - 1/alpha_window a round)
     pipeline: str = "off"  # draft ahead while the target verifies: off | on | auto (the cost model decides)
     row_blocks: tuple[int, ...] = ()  # row counts the target computes verifications at, ascending; () = as fed
-    min_confidence: float = 0.0  # confidence stop: drafting ends after a draft with q(token) below this
+    min_confidence: float = 0.4  # confidence stop: drafting ends after a draft with q(token) below this (0: off),
+    # as transformers' assisted generation's default
     siblings: bool = True  # greedy: send the draft's runner-up for the target's spare rows (specd/verify.py)
 
     def validate(self) -> None:

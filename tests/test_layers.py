@@ -4,6 +4,7 @@ benchmark, and the coordinator process loads no torch (it runs no model)."""
 from __future__ import annotations
 
 import ast
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -38,3 +39,24 @@ def test_the_coordinator_process_imports_no_torch():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "False", f"importing {modules} loaded torch"
+
+
+def test_every_default_comes_from_one_place(monkeypatch):
+    """The policy's defaults are the request limits' and every flag's (the issue found them disagreeing)."""
+    from services.common import model_main
+    from services.coordinator import root
+    from services.coordinator.requests import Limits
+    from specd.engine import EngineConfig
+    from specd.policy import PolicyConfig
+    from tests.procs import up_commands, value
+
+    for name in [n for n in os.environ if n.startswith("SPECD_")]:
+        monkeypatch.delenv(name)
+    policy, limits = PolicyConfig(), Limits()
+    assert (limits.default_k, limits.max_k, limits.min_confidence) == (policy.default_k, policy.max_k,
+                                                                        policy.min_confidence)
+    coordinator = root.parse(["--model-dir", "m", "--redis-url", "redis://x"])
+    assert (coordinator.default_k, coordinator.max_k, coordinator.draft_confidence) == (
+        policy.default_k, policy.max_k, policy.min_confidence)
+    assert int(value(up_commands(monkeypatch)["coordinator"], "--default-k")) == policy.default_k
+    assert model_main.parse("draft", 1, ["--model-dir", "m"]).max_sessions == EngineConfig.max_sessions

@@ -35,7 +35,8 @@ def parse(role: str, default_port: int, argv: list[str] | None) -> argparse.Name
     settings.add(parser, "--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
     settings.add(parser, "--dtype", default="float32", help="float32 | float64 | bfloat16 | float16")
     settings.add(parser, "--threads", type=int, help="torch threads (services on one host share cores)")
-    settings.add(parser, "--max-sessions", type=int, default=64, help="KV caches kept; idle ones are evicted LRU")
+    settings.add(parser, "--max-sessions", type=int, default=EngineConfig.max_sessions,
+                 help="KV caches kept; idle ones are evicted LRU")
     settings.add(parser, "--quantize", default=settings.SERVICE_QUANTIZE, choices=settings.QUANTIZE_MODES,
                  help=QUANTIZE_HELP[role])
     settings.add(parser, "--metrics-port", type=int, default=0, help="serve Prometheus /metrics on this port (0: off)")

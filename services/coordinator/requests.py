@@ -18,8 +18,10 @@ from services.coordinator.model_info import ModelInfo
 
 @dataclass(frozen=True)
 class Limits:
-    default_k: int = 4
-    max_k: int = 16
+    """The server's bounds on requests; the policy's own defaults (specd/policy.py) are the one source."""
+
+    default_k: int = PolicyConfig.default_k
+    max_k: int = PolicyConfig.max_k
     default_max_tokens: int = 128
     max_tokens: int = 4096
     max_prompt_tokens: int = 8192
@@ -28,7 +30,7 @@ class Limits:
     max_stop_chars: int = 128
     pipeline: str = "off"  # draft ahead while the target verifies: off | on | auto (specd.policy)
     row_blocks: tuple[int, ...] | None = ()  # row counts the target pads verifications to (specd.policy); None: ask it
-    min_confidence: float = 0.4  # adaptive K's confidence stop (specd.policy), as transformers' default
+    min_confidence: float = PolicyConfig.min_confidence  # adaptive K's confidence stop
     siblings: bool = True  # greedy rounds send the draft's runner-up for the target's spare rows
 
 
