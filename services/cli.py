@@ -31,7 +31,8 @@ REPLICA_STRIDE = 100  # replica i of a model service listens on its ports + 100Â
 READY_TIMEOUT_S = 600.0
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """Every command and flag, each setting with its SPECD_* variable (docs/configuration.md is generated from it)."""
     parser = argparse.ArgumentParser(prog="specd", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -132,7 +133,12 @@ def main(argv: list[str] | None = None) -> None:
     # Its flags belong to benchmarks/bench.py (`specd bench -h`), run as its own program: passed through.
     bench = commands.add_parser("bench", add_help=False, help="plain vs fixed K vs adaptive vs HF assisted, one run")
     bench.set_defaults(run=cmd_bench)
+    return parser
 
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     args, passed = parser.parse_known_args(argv)
     if passed and args.command != "bench":
         parser.error(f"unrecognized arguments: {' '.join(passed)}")

@@ -28,6 +28,13 @@ QUANTIZE_HELP = {
 
 
 def parse(role: str, default_port: int, argv: list[str] | None) -> argparse.Namespace:
+    parser = build_parser(role, default_port)
+    args = parser.parse_args(argv)
+    return _checked(parser, role, args)
+
+
+def build_parser(role: str, default_port: int) -> argparse.ArgumentParser:
+    """Every flag, each with its SPECD_* variable (docs/configuration.md is generated from it)."""
     parser = argparse.ArgumentParser(prog=f"python -m services.{role}", description=f"specd {role} model service")
     settings.add(parser, "--model-dir", type=Path, help="HF model directory (see `specd models fetch`)")
     settings.add(parser, "--host", default="127.0.0.1", help="address to bind")
@@ -53,7 +60,10 @@ def parse(role: str, default_port: int, argv: list[str] | None) -> argparse.Name
     settings.add(parser, "--batch-wait", type=float, default=Batching.wait,
                  help="a pass missing sessions of the last passes waits for them up to this fraction of a pass "
                       "(0: never; like Triton's max queue delay)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _checked(parser: argparse.ArgumentParser, role: str, args: argparse.Namespace) -> argparse.Namespace:
     if args.model_dir is None:
         parser.error("--model-dir (or SPECD_MODEL_DIR) is required")
     try:

@@ -68,6 +68,13 @@ def audit_rate(value: str) -> float:
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return _checked(parser, args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Every flag, each with its SPECD_* variable (docs/configuration.md is generated from it)."""
     parser = argparse.ArgumentParser(prog="python -m services.coordinator", description="specd coordinator")
     settings.add(parser, "--model-dir", type=Path, help="the target's model directory (tokenizer, limits)")
     settings.add(parser, "--host", default="127.0.0.1", help="address to bind")
@@ -121,7 +128,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     settings.add(parser, "--max-body-bytes", type=int, default=MAX_BODY_BYTES,
                  help="largest REST request body, and gRPC request message")
     settings.add(parser, "--metrics-port", type=int, default=0, help="serve Prometheus /metrics on this port (0: off)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _checked(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
     for flag in ("draft_addr", "target_addr"):
         try:
             discovery.resolver(getattr(args, flag))
