@@ -99,6 +99,13 @@ def coordinator(
     return ServiceProcess("coordinator", [*args, "--redis-url", redis_url, "--http-port", "0", *extra], log_dir)
 
 
+def specd(argv: list[str]) -> int:
+    """`specd <argv>` in this process; its exit code."""
+    with pytest.raises(SystemExit) as exit:
+        cli.main(argv)
+    return exit.value.code
+
+
 def up_commands(monkeypatch, *argv: str) -> dict[str, list[str]]:
     """The service command lines `specd up` would start with these flags."""
     parsed = []

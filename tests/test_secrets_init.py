@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import stat
 
-from services import cli
 from services.common.tls import TlsFiles
 from services.coordinator.auth import ApiKeys
+from tests.procs import specd
 
 
 def test_keys_init_makes_private_secrets_once(tmp_path, capsys):
     where = tmp_path / "secrets"
-    assert cli_main(["keys", "init", "--dir", str(where)]) == 0
+    assert specd(["keys", "init", "--dir", str(where)]) == 0
     first = capsys.readouterr().out
     keys, password = (where / "api-keys").read_text(), (where / "redis-password").read_text()
     assert "API key" in first and keys.split(":", 1)[1].strip() in first
@@ -23,15 +23,8 @@ def test_keys_init_makes_private_secrets_once(tmp_path, capsys):
         assert sorted(p.name for p in (where / "tls" / role).iterdir()) == sorted(["ca.pem", f"{role}.pem", f"{role}-key.pem"])
         assert (where / "tls" / role / "ca.pem").read_bytes() == ca
         TlsFiles(where / "tls" / role, role).check()
-    assert cli_main(["keys", "init", "--dir", str(where)]) == 0  # again: nothing changes
+    assert specd(["keys", "init", "--dir", str(where)]) == 0  # again: nothing changes
     assert "nothing changed" in capsys.readouterr().out
     assert (where / "api-keys").read_text() == keys and (where / "redis-password").read_text() == password
     assert (where / "tls" / "coordinator" / "ca.pem").read_bytes() == ca
 
-
-def cli_main(argv: list[str]) -> int:
-    try:
-        cli.main(argv)
-    except SystemExit as done:
-        return done.code
-    return 0

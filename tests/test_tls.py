@@ -12,11 +12,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services import cli
 from services.common import certs
 from services.common.tls import CA_FILE, CALLER, TlsFiles, channel_options, key_file
 from services.protogen.specd.v1 import common_pb2, coordinator_pb2, target_pb2, target_pb2_grpc
-from tests.procs import coordinator, stub, tls_model_service, up_commands, value
+from tests.procs import coordinator, specd, stub, tls_model_service, up_commands, value
 
 N = 12
 INTRUDER = "intruder"  # a client certificate the deployment's CA signed that is not the coordinator's
@@ -35,12 +34,6 @@ def target_as(address: str, credentials: grpc.ChannelCredentials | None) -> targ
     if credentials is None:
         return target_pb2_grpc.TargetServiceStub(grpc.insecure_channel(address))
     return target_pb2_grpc.TargetServiceStub(grpc.secure_channel(address, credentials, options=channel_options("target")))
-
-
-def specd(argv: list[str]) -> int:
-    with pytest.raises(SystemExit) as exit:
-        cli.main(argv)
-    return exit.value.code
 
 
 def refused(call, code: grpc.StatusCode) -> str:
