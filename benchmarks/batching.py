@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from benchmarks.common import machine, write
 from specd import kernels
 from specd.engine import EngineConfig, ModelEngine
-from specd.models import model_path
+from services.models import model_path
 
 BATCHES = (1, 2, 4, 8)
 DRAFTS = 4  # K: each session feeds K + 1 = 5 rows

@@ -61,8 +61,8 @@ from benchmarks.common import RESULTS, machine, rss_bytes, specd_up, write
 from services.coordinator.model_info import load_model_info
 from services.protogen.specd.v1 import coordinator_pb2, coordinator_pb2_grpc
 from specd.engine import EngineConfig, ModelEngine
-from specd import models
-from specd.models import fetch
+from services import models
+from services.models import fetch
 from specd.policy import expected_tokens
 
 PROMPTS = Path(__file__).resolve().parent / "prompts.json"

@@ -38,7 +38,7 @@ from benchmarks.common import descendants, machine, rss_bytes, write
 from services.common.redis_server import LocalRedis, free_port
 from services.coordinator.model_info import load_model_info
 from services.protogen.specd.v1 import coordinator_pb2, coordinator_pb2_grpc
-from specd.tiny import build_tiny_pair
+from tests.tiny import build_tiny_pair
 
 VICTIMS = ("draft", "target", "coordinator", "redis")
 RETRYABLE = {"UNAVAILABLE", "ABORTED", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED"}

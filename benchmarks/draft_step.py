@@ -19,7 +19,7 @@ import torch
 
 from benchmarks.common import machine, write
 from specd.engine import EngineConfig, ModelEngine
-from specd.models import model_path
+from services.models import model_path
 
 CONTEXT = 160  # tokens each session holds: a prompt and some output
 SHAPES = {"1 session x 1 row": (1, 1), "4 sessions x 1 row": (4, 1), "8 sessions x 1 row": (8, 1),

@@ -25,7 +25,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from benchmarks.common import machine, runs_json, specd_up, timed, write
-from specd.models import default_models_dir, fetch
+from services.models import default_models_dir, fetch
 
 PROMPTS = {
     "code": "def merge_sort(items):",

@@ -17,7 +17,7 @@ from benchmarks.common import machine, write
 from benchmarks.rows import CONTEXT, holding_context, pass_s
 from specd import kernels
 from specd.engine import EngineConfig, ModelEngine
-from specd.models import model_path
+from services.models import model_path
 
 
 def engine(packed: bool, threads: int) -> ModelEngine:

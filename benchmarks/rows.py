@@ -20,7 +20,7 @@ import time
 from benchmarks.common import machine, write
 from specd import kernels
 from specd.engine import EngineConfig, ModelEngine
-from specd.models import model_path
+from services.models import model_path
 
 CONTEXT = 160  # tokens the session holds: a prompt and some output
 

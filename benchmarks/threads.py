@@ -33,7 +33,7 @@ import torch
 
 from benchmarks.common import machine, write
 from specd.engine import EngineConfig, ModelEngine
-from specd.models import model_path
+from services.models import model_path
 
 LAYOUTS = ("one_pool", "two_pools", "main_thread")
 CONTEXT = 120

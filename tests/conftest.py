@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from specd.tiny import build_tiny_pair
+from tests.tiny import build_tiny_pair
 from services.common.redis_server import LocalRedis
 
 # The tiny models are far too small to gain from intra-op threads, and on a 2-core machine

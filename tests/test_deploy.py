@@ -217,7 +217,7 @@ def reads(entrypoint: str) -> frozenset[str]:
     names = set(re.findall(r"\[env\s+(SPECD_[A-Z_]+)", run(*ENTRYPOINTS[entrypoint])))
     names.add("HOME")  # the root filesystem is read-only: caches (the q4 kernel, Hugging Face) go to $HOME
     if entrypoint == "models fetch":
-        names.add("SPECD_MODELS_DIR")  # specd/models.py reads it directly
+        names.add("SPECD_MODELS_DIR")  # services/models.py reads it directly
     else:
         names |= set(re.findall(r"OTEL_[A-Z_]+[A-Z]", (ROOT / "services/common/telemetry.py").read_text()))
     return frozenset(names)

@@ -15,7 +15,7 @@ from specd.engine import (
     WrongThread,
 )
 from specd import fused as fused_path, ragged
-from specd.tiny import build_tiny_pair
+from tests.tiny import build_tiny_pair
 
 PROMPT = [3, 17, 250, 42, 99, 7, 7, 128, 64, 5, 200]  # arbitrary byte-token ids (< 256)
 

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from services.coordinator.model_info import load_model_info
-from specd.models import is_ready, model_path
+from services.models import is_ready, model_path
 
 SPECIAL = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "\n", " ", "é", "𝔘", "\0", "def f(x):\n    return x"]
 texts = st.lists(st.one_of(st.text(max_size=24), st.sampled_from(SPECIAL)), max_size=8).map("".join)

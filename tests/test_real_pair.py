@@ -24,7 +24,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from specd.models import is_ready, model_path
+from services.models import is_ready, model_path
 from services.protogen.specd.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 pytestmark = pytest.mark.real

@@ -33,7 +33,7 @@ N_TOKENS = 24
 
 @pytest.fixture(scope="module", params=[0, 1, 2], ids=lambda s: f"pair{s}")
 def cluster(request, tmp_path_factory, redis_url):
-    from specd.tiny import build_tiny_pair
+    from tests.tiny import build_tiny_pair
 
     draft_dir, target_dir = build_tiny_pair(tmp_path_factory.mktemp(f"tiny{request.param}"), seed=request.param)
     c = Cluster(draft_dir, target_dir, redis_url)
@@ -323,7 +323,7 @@ def test_a_useless_draft_makes_the_session_fall_back(tmp_path, tiny_pair):
     """Another seed's draft knows nothing of this target: speculation stops, probes are rare.
     A Redis of its own: no policy learned by other tests' sessions to start from."""
     from services.common.redis_server import LocalRedis
-    from specd.tiny import build_tiny_pair
+    from tests.tiny import build_tiny_pair
 
     useless_draft, _ = build_tiny_pair(tmp_path / "other", seed=7)
     with LocalRedis() as redis:
