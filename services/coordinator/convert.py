@@ -3,7 +3,7 @@ requests.py), and loop events into responses."""
 
 from __future__ import annotations
 
-from specd.loop import Finished
+from specd.loop import Chunk, Finished
 from specd.session import SessionState, SessionStats
 from services.coordinator.requests import ClientRequest
 from services.protogen.specd.v1 import coordinator_pb2
@@ -51,7 +51,6 @@ def stats_to_proto(
         draft_compute_s=stats.draft_compute_s,
         verify_compute_s=stats.verify_compute_s,
         round_wall_s=stats.round_wall_s,
-        reused_drafts=stats.reused,
         sibling_tokens=stats.sibling_tokens,
         outage_rounds=stats.outage_rounds,
         mode=mode,
@@ -60,6 +59,17 @@ def stats_to_proto(
 
 def final_stats(done: Finished, prompt_tokens: int) -> coordinator_pb2.GenerationStats:
     return stats_to_proto(done.stats, prompt_tokens, len(done.token_ids), done.session.policy.mode)
+
+
+def stream_response(event: Chunk | Finished, prompt_tokens: int) -> coordinator_pb2.GenerateResponse:
+    """A streamed chunk, or the stream's last message (finish reason and stats)."""
+    if isinstance(event, Chunk):
+        return coordinator_pb2.GenerateResponse(token_ids=event.token_ids, text=event.text)
+    return coordinator_pb2.GenerateResponse(finish_reason=event.finish_reason, stats=final_stats(event, prompt_tokens))
+
+
+def released() -> coordinator_pb2.ReleaseSessionResponse:
+    return coordinator_pb2.ReleaseSessionResponse(released=True)
 
 
 def complete_response(done: Finished, prompt_tokens: int) -> coordinator_pb2.CompleteResponse:

@@ -3,21 +3,26 @@
 Edges validate and convert; the frontend runs a request on a session within its key's quotas
 (services/coordinator/quotas.py). Session ids are per key: a key's id `chat` is stored as
 `<key's tag>/chat`, so one key can neither see, probe nor take another's ids (the keyless
-owner's ids are stored as given). Errors stay domain exceptions; each edge maps them to codes.
+owner's ids are stored as given). Downstream errors (a model service's gRPC status, the store's
+connection) are translated here, once, into `DownstreamFailed`; each edge maps domain errors to codes.
 """
 
 from __future__ import annotations
 
 import contextlib
+import enum
 import uuid
 from contextlib import AbstractContextManager
 from dataclasses import replace
-from typing import AsyncIterator
+from typing import AsyncIterator, Iterator
 
+import grpc
+import redis.exceptions
 from opentelemetry import trace
 
 from specd import calibration
 from specd.audit import Auditor
+from specd.contracts import EngineInfo, ServiceUnavailable
 from specd.loop import Chunk, Finished, GenerationRequest, Services, generate
 from specd.policy import PolicyState
 from specd.session import SessionNotFound, SessionState
@@ -28,6 +33,40 @@ from services.coordinator.quotas import Quotas, owner_tag
 from services.coordinator.requests import Limits, policy_config
 
 tracer = trace.get_tracer(__name__)
+
+
+class Failure(enum.Enum):
+    """How a client may act on a downstream failure."""
+
+    UNAVAILABLE = "unavailable"  # no model replica or store answered: retry, the session is kept
+    EXHAUSTED = "exhausted"  # a model service is at capacity: retry later
+    DEADLINE = "deadline"  # the client's deadline passed while a model service worked
+    INTERNAL = "internal"  # a model service failed in a way a retry does not mend
+
+
+class DownstreamFailed(Exception):
+    def __init__(self, failure: Failure, message: str):
+        super().__init__(message)
+        self.failure = failure
+
+
+# A model service's gRPC status, as the client may act on it; any other status is INTERNAL.
+_GRPC_FAILURES = {grpc.StatusCode.UNAVAILABLE: Failure.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED:
+                  Failure.EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED: Failure.DEADLINE}
+
+
+@contextlib.contextmanager
+def translated() -> Iterator[None]:
+    """Model-service and store errors as `DownstreamFailed`."""
+    try:
+        yield
+    except ServiceUnavailable as e:
+        raise DownstreamFailed(Failure.UNAVAILABLE, f"{e} (the session is kept: retry it)") from e
+    except grpc.aio.AioRpcError as e:
+        failure = _GRPC_FAILURES.get(e.code(), Failure.INTERNAL)
+        raise DownstreamFailed(failure, f"model service failed: {e.code().name}: {e.details()}") from e
+    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as e:
+        raise DownstreamFailed(Failure.UNAVAILABLE, f"session store unreachable: {e}") from e
 
 
 def scoped(session_id: str, owner: str) -> str:
@@ -47,6 +86,13 @@ class Frontend:
     ) -> AsyncIterator[Chunk | Finished]:
         """Run a request; with a session id it continues (or starts) that session, else a one-off.
         `request_id` names a session's turn: sent again, the turn is not appended twice (specd.loop)."""
+        with translated():
+            async for event in self._generate(request, session_id, owner, request_id):
+                yield event
+
+    async def _generate(
+        self, request: GenerationRequest, session_id: str, owner: str, request_id: str
+    ) -> AsyncIterator[Chunk | Finished]:
         stored = scoped(session_id, owner) if session_id else ""
         if session_id:
             held = await self._owned_or_absent(session_id, owner)
@@ -94,7 +140,8 @@ class Frontend:
 
     async def session(self, session_id: str, owner: str = "") -> SessionState:
         """`owner`'s session `session_id` (as the client names it)."""
-        state = await self.services.store.get(scoped(session_id, owner))
+        with translated():
+            state = await self.services.store.get(scoped(session_id, owner))
         if state is None or state.owner != owner:
             raise SessionNotFound(f"no session {session_id!r} (released, expired, or not yours)")
         return replace(state, session_id=session_id)
@@ -102,11 +149,17 @@ class Frontend:
     async def release(self, session_id: str, owner: str = "") -> None:
         await self.session(session_id, owner)
         stored = scoped(session_id, owner)
-        await self.services.store.delete(stored)
-        await self.services.drafter.release(stored)
-        await self.services.verifier.release(stored)
-        if self.quotas:
-            await self.quotas.forget_session(owner, stored)
+        with translated():
+            await self.services.store.delete(stored)
+            await self.services.drafter.release(stored)
+            await self.services.verifier.release(stored)
+            if self.quotas:
+                await self.quotas.forget_session(owner, stored)
+
+    async def engines(self) -> list[EngineInfo | str]:
+        """What each target replica runs, or why it did not answer (a status name, not an address)."""
+        answers = await self.services.verifier.engines()
+        return [a if isinstance(a, EngineInfo) else _why(a) for a in answers]
 
     async def _owned_or_absent(self, session_id: str, owner: str) -> int:
         """The tokens the session holds (0: a new one); not found if another key owns it."""
@@ -114,6 +167,10 @@ class Frontend:
         if state is not None and state.owner != owner:
             raise SessionNotFound(f"no session {session_id!r} (released, expired, or not yours)")
         return len(state.tokens) if state else 0
+
+
+def _why(error: BaseException) -> str:
+    return error.code().name if isinstance(error, grpc.aio.AioRpcError) else type(error).__name__
 
 
 def _traced(session_id: str, request: GenerationRequest) -> AbstractContextManager[trace.Span]:

@@ -18,8 +18,6 @@ import time
 from dataclasses import replace
 from typing import AsyncIterator, Awaitable, TypeVar
 
-import grpc
-import redis.exceptions
 import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -28,7 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from specd.contracts import EngineInfo, ServiceUnavailable
+from specd.contracts import EngineInfo
 from specd.loop import Chunk, Finished
 from specd.session import Fenced, SessionNotFound
 from specd.validation import InvalidParams
@@ -36,7 +34,7 @@ from services.common.metrics import exposition
 from services.common.telemetry import instrument_app
 from services.coordinator import openai_api, requests
 from services.coordinator.auth import ApiKeys, Unauthenticated
-from services.coordinator.frontend import Frontend
+from services.coordinator.frontend import DownstreamFailed, Failure, Frontend
 from services.coordinator.openai_api import ChatCompletionRequest, CompletionRequest, Reply, error_body
 from services.coordinator.quotas import QuotaExceeded
 
@@ -45,12 +43,8 @@ MAX_BODY_BYTES = 1024 * 1024
 CLIENT_CLOSED = 499  # nginx's code for a client that closed the connection before the response
 T = TypeVar("T")
 
-# A model service's failure as an HTTP status: capacity and deadlines are the client's to retry.
-GRPC_TO_HTTP = {
-    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
-    grpc.StatusCode.UNAVAILABLE: 503,
-    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
-}
+# A downstream failure as an HTTP status: capacity and deadlines are the client's to retry.
+FAILURE_STATUS = {Failure.UNAVAILABLE: 503, Failure.EXHAUSTED: 429, Failure.DEADLINE: 504, Failure.INTERNAL: 500}
 
 
 class ModelNotFound(Exception):
@@ -86,7 +80,7 @@ def create_app(frontend: Frontend, keys: ApiKeys, model_name: str, max_body_byte
     @app.get("/v1/models", tags=["openai"])
     async def models(who: str = Depends(owner)) -> dict:
         card = {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "specd"}
-        card["specd"] = {"target": [_engine_json(e) for e in await frontend.services.verifier.engines()]}
+        card["specd"] = {"target": [_engine_json(e) for e in await frontend.engines()]}
         return {"object": "list", "data": [card]}
 
     @app.post("/v1/completions", tags=["openai"])
@@ -129,10 +123,10 @@ def create_app(frontend: Frontend, keys: ApiKeys, model_name: str, max_body_byte
     return app
 
 
-def _engine_json(engine: EngineInfo | BaseException) -> dict:
-    """What a target replica runs, or why it did not answer (its gRPC code: not its address)."""
-    if isinstance(engine, BaseException):
-        return {"error": engine.code().name if isinstance(engine, grpc.aio.AioRpcError) else type(engine).__name__}
+def _engine_json(engine: EngineInfo | str) -> dict:
+    """What a target replica runs, or why it did not answer."""
+    if isinstance(engine, str):
+        return {"error": engine}
     return {"numerics": engine.numerics, "quantize": engine.quantize, "invariant": engine.invariant,
             "reason": engine.reason}
 
@@ -232,13 +226,8 @@ def _error(error: Exception) -> tuple[int, dict]:
         return 404, error_body(str(error.args[0]), "not_found_error")
     if isinstance(error, Fenced):
         return 409, error_body("the session was taken over by a newer request", "conflict_error")
-    if isinstance(error, grpc.aio.AioRpcError):
-        status = GRPC_TO_HTTP.get(error.code(), 500)
-        return status, error_body(f"model service failed: {error.code().name}: {error.details()}", "server_error")
-    if isinstance(error, ServiceUnavailable):
-        return 503, error_body(f"{error} (the session is kept: retry it)", "server_error")
-    if isinstance(error, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)):
-        return 503, error_body(f"session store unreachable: {error}", "server_error")
+    if isinstance(error, DownstreamFailed):
+        return FAILURE_STATUS[error.failure], error_body(str(error), "server_error")
     return 500, error_body("internal error", "server_error")
 
 
@@ -263,7 +252,7 @@ def _add_error_handlers(app: FastAPI) -> None:
         return JSONResponse(error_body(str(error.detail), kind), status_code=error.status_code, headers=error.headers)
 
     for kind in (InvalidParams, RequestValidationError, Unauthenticated, SessionNotFound, ModelNotFound, Fenced,
-                 grpc.aio.AioRpcError, redis.exceptions.ConnectionError, QuotaExceeded):
+                 DownstreamFailed, QuotaExceeded):
         app.add_exception_handler(kind, handle)
     app.add_exception_handler(StarletteHTTPException, http_error)
 
