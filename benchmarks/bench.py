@@ -29,7 +29,7 @@ Reported per class and configuration: tokens/s and speedup vs plain (end to end,
 and the decode phase after the first token), α = accepted / judged drafts, mean acceptance length,
 TTFT, TPOT p50/p99 (each token of a streamed chunk is charged the chunk's gap / its token count),
 rounds; the theoretical speedup S(K) = E(α,K)·T_plain / (K·draft_step + verify(K)) of
-specd/policy.py from the measured α and step times; the coordinator+gRPC+Redis overhead per round
+specd/policy/cost.py from the measured α and step times; the coordinator+gRPC+Redis overhead per round
 (round wall time minus model compute) as a fraction of one target step. Writes
 benchmarks/results/<name>.json and <name>_speedup.png, <name>_tpot.png.
 """
@@ -655,8 +655,6 @@ def _result(cfg, prompts, runs, probes, scaling, duration_s, rss) -> dict:
         "rss_gb": rss,
         "classes": classes,
         "concurrency": scaling and {k: v for k, v in scaling.items() if k != "runs"},
-        "pipelined_drafting": "benchmarks/results/pipeline.json (python -m benchmarks.pipeline: injected RTT, "
-                              "thread splits, off / on / auto)",
         "goals": goals(classes, scaling, specd_rss),
         "prefill_probes_s": _rounded(probes),
         "runs": [_run_json(r) for r in runs + (scaling["runs"] if scaling else [])],
@@ -700,7 +698,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--name", default="bench", help="result name under benchmarks/results/")
     parser.add_argument("--draft-threads", type=int, help="torch threads of the draft service (default: all cores)")
     parser.add_argument("--target-threads", type=int, help="torch threads of the target service (default: all cores)")
-    parser.add_argument("--pipeline", default="off", help="off | on | auto: the services' pipelined drafting")
     parser.add_argument("--core-turns", default="on", choices=("on", "off"),
                         help="the draft and target services take turns at the cores (specd up's default)")
     parser.add_argument("--draft-confidence", help="adaptive K's confidence stop (default: the coordinator's)")
@@ -714,7 +711,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=Path, default=PROMPTS, help="prompt set (benchmarks/prompts.json; "
                         "held out: benchmarks/prompts_heldout.json)")
     args = parser.parse_args(argv)
-    up_flags = ("--pipeline", args.pipeline, "--core-turns", args.core_turns, "--audit-rate", args.audit_rate) + tuple(
+    up_flags = ("--core-turns", args.core_turns, "--audit-rate", args.audit_rate) + tuple(
         ("--draft-confidence", args.draft_confidence) if args.draft_confidence is not None else ()
     ) + tuple(("--siblings", args.siblings) if args.siblings else ()) + tuple(
         arg for role in ("draft", "target") if getattr(args, f"{role}_quantize")

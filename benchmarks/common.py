@@ -108,7 +108,6 @@ class Run:
     drafting_rounds: int
     fallbacks: int
     mode: str
-    reused: int  # drafts made ahead during the previous round (pipelining)
     token_ids: list[int]
 
 
@@ -121,7 +120,7 @@ def timed(stub, label: str, prompt: str, max_tokens: int, **fields) -> Run:
     return Run(
         label, prompt, len(reply.token_ids), round(wall, 3), round(len(reply.token_ids) / wall, 3), s.rounds,
         s.drafted_tokens, s.accepted_tokens, s.drafted_per_position[0] if s.drafted_per_position else 0,
-        s.fallbacks, s.mode, s.reused_drafts, list(reply.token_ids),
+        s.fallbacks, s.mode, list(reply.token_ids),
     )
 
 

@@ -80,7 +80,6 @@ def build_parser() -> argparse.ArgumentParser:
     settings.add(up, "--default-k", type=int, default=PolicyConfig.default_k, help="draft tokens per round")
     settings.add(up, "--draft-confidence", help="adaptive K: the draft stops after a token it gave a probability "
                  "below this (0: off; default: the coordinator's)")
-    settings.add(up, "--pipeline", default="off", help="off | on | auto: draft ahead while the target verifies")
     settings.add(up, "--siblings", choices=("on", "off"), help="greedy: the target scores the draft's runner-up in "
                  "spare rows (default: the coordinator's, on)")
     settings.add(up, "--audit-rate", help="fraction of finished greedy requests the coordinator decodes again "
@@ -158,7 +157,7 @@ def _add_quantize(command: argparse.ArgumentParser) -> None:
 
 
 def cmd_fetch(args: argparse.Namespace) -> int:
-    from specd.models import fetch
+    from services.models import fetch
 
     fetch(args.models_dir)
     return 0
@@ -190,7 +189,7 @@ def cmd_certs(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from specd.models import SOURCES, is_ready, model_path
+    from services.models import SOURCES, is_ready, model_path
 
     missing = [role for role in SOURCES if not is_ready(role, args.models_dir)]
     for role in SOURCES:
@@ -200,7 +199,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 def _model_dirs(args: argparse.Namespace) -> dict[str, Path]:
     """The fetched pair, except where a model directory was given."""
-    from specd.models import fetch
+    from services.models import fetch
 
     chosen = {role: getattr(args, f"{role}_model_dir") for role in ("draft", "target")}
     paths = fetch(args.models_dir, roles=tuple(role for role, path in chosen.items() if path is None))
@@ -269,7 +268,7 @@ def _commands(
     coordinator = [
         *("-m", "services.coordinator", "--model-dir", str(paths["target"])),
         *("--host", args.host, "--port", str(args.coordinator_port), "--default-k", str(args.default_k)),
-        *("--pipeline", args.pipeline, "--inject-rtt-ms", str(args.inject_rtt_ms)),
+        *("--inject-rtt-ms", str(args.inject_rtt_ms)),
         *("--draft-addr", ",".join(addr["draft"]), "--target-addr", ",".join(addr["target"])),
         *("--http-port", str(args.http_port)),
     ]

@@ -13,7 +13,7 @@ draft_gpus / target_gpus (0), draft_replicas /
 target_replicas / gateway_replicas (1, or "auto" for autoscaling 1..max_replicas),
 max_replicas (4), draft_quantize / target_quantize (none; see services/common/settings.py), dtype (float32),
 api_keys_file, coordinator_flags (any flags of `python -m services.coordinator`, e.g.
-"--default-k 4 --pipeline auto": the ingress is built by the same code, services/coordinator/root.py).
+"--default-k 4 --max-k 8": the ingress is built by the same code, services/coordinator/root.py).
 
 Sessions: each call of a session goes to the model replica its id ranks first by rendezvous
 hashing (`SessionRouter`, as the gRPC pools place sessions), so a session stays with the

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import uuid
-from dataclasses import replace
 
 from specd.contracts import SamplingParams
 from specd.loop import GenerationRequest, RoundRecord, Services, forget, generate
@@ -33,7 +32,6 @@ async def calibrate(services: Services, decode: Decode, config: PolicyConfig) ->
     on from the last committed token (K + 1 rows, as in a session); K = 0 last in a sweep, so the
     draft is never more than the round's own tokens behind (a catch-up would time a prefill)."""
     session_id = f"calibration-{uuid.uuid4().hex}"
-    config = replace(config, pipeline="off")  # drafting ahead would contend with the timed passes
     ks = sorted(calibration_ks(config), key=lambda k: k == 0) * SWEEPS
     try:
         await _one_round(services, decode, session_id, SCRATCH_PROMPT, 1, config)  # both services prefill

@@ -95,24 +95,17 @@ class Verdict:
 @dataclass(frozen=True)
 class ProposeRequest:
     """Draft k tokens after the committed ones (fewer with a confidence stop: after a draft the
-    draft gave probability < min_confidence); then, when lookahead > 0, go on drafting that many
-    past them while the target verifies (pipelining: the next call takes those still on the
-    committed path)."""
+    draft gave probability < min_confidence)."""
 
     session_id: str
     sync: SyncPoint
     k: int
     params: SamplingParams
-    lookahead: int = 0
     min_confidence: float = 0.0
 
     def validate(self) -> "ProposeRequest":
         validate_session_id(self.session_id)
         validate_that(1 <= self.k <= MAX_K, f"k must be in [1, {MAX_K}]")
-        validate_that(
-            0 <= self.lookahead <= self.k + 1,
-            f"lookahead must be in [0, k + 1], got {self.lookahead} with k = {self.k}",
-        )
         PolicyConfig(min_confidence=self.min_confidence).validate()  # in [0, 1), not NaN
         self.params.validate()
         return self
@@ -124,7 +117,6 @@ class DraftReply:
     position: int  # n, the committed length the draft synced to before drafting
     instance_id: str = ""
     compute_s: float = 0.0  # the drafting steps this proposal took part in
-    reused: int = 0  # leading drafts made ahead during the previous round (not in compute_s)
     queued_s: float = 0.0  # waited for the model (other calls' passes and steps): load, not the network
 
 

@@ -31,8 +31,8 @@ from specd.contracts import (
     VerifyRequest,
 )
 from specd.outage import DraftOutage
-from specd.policy import PolicyConfig, PolicyState, RoundObservation, inherit, lookahead, next_k, observe
-from specd.session import ServiceCursor, SessionState, SessionStats, SessionStore, Turn
+from specd.policy import PolicyConfig, PolicyState, RoundObservation, inherit, next_k, observe
+from specd.session import Lease, ServiceCursor, SessionState, SessionStats, SessionStore, Turn
 from specd.stopping import Decode, StopChecker, StopRules
 from specd.validation import validate_that
 
@@ -91,31 +91,43 @@ class Finished:
     session: SessionState
 
 
-@dataclass
-class _Cursor:
-    """How much of the committed sequence a service is known to hold, and in which instance."""
-
-    position: int = 0
-    instance_id: str = ""
-    resyncs: int = 0  # times the service had lost the prefix and got everything resent
-
-    def sync(self, committed: Sequence[int]) -> SyncPoint:
-        return SyncPoint(self.position, tuple(committed[self.position :]), self.instance_id)
-
-    @classmethod
-    def of(cls, cursor: ServiceCursor) -> "_Cursor":
-        return cls(cursor.position, cursor.instance_id)
-
-    def frozen(self) -> ServiceCursor:
-        return ServiceCursor(self.position, self.instance_id)
-
-
 @dataclass(frozen=True)
 class Services:
     drafter: Drafter
     verifier: Verifier
     store: SessionStore
     outage: DraftOutage = field(default_factory=DraftOutage)
+
+
+@dataclass(frozen=True)
+class _Turn:
+    """What a request's rounds share."""
+
+    request: GenerationRequest
+    session_id: str
+    services: Services
+    lease: Lease
+    checker: StopChecker
+    session_stats: SessionStats  # the session's counters before this request
+
+
+@dataclass(frozen=True)
+class _Progress:
+    """A request between rounds."""
+
+    state: SessionState  # tokens: everything committed, this turn's prompt included
+    stored: int  # committed tokens the store holds
+    stats: SessionStats  # this request's rounds; the session's are session_stats + these
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    """What one round did: the request's progress after it, and what it emitted."""
+
+    progress: _Progress
+    emitted: tuple[int, ...]
+    text: str
+    record: RoundRecord
 
 
 async def generate(
@@ -133,102 +145,106 @@ async def generate(
     `request_id`: a retry of the session's latest turn with this id does not append its prompt
     again: it replies with what that turn committed and, if it had not finished, goes on with it."""
     lease, state = await services.store.begin(session_id, create=True, owner=owner)
-    if state.requests == 0:
-        state = await _start_from_prior(state, services.store)
-    retried = _retried_turn(state, request, request_id)  # what the turn already committed, if a retry
-    if retried is None:
-        turn = Turn(request_id, len(state.tokens), request_digest(request)) if request_id else None
-        committed = [*state.tokens, *request.prompt]
-        state = replace(state, requests=state.requests + 1, turn=turn)
-    else:
-        committed = [*state.tokens]
-    stored = len(state.tokens)
-    draft, target = _Cursor.of(state.draft), _Cursor.of(state.target)
-    checker = StopChecker(request.rules, decode)
-    stats = SessionStats()
+    state, stored, replayed = await _open_turn(state, request, request_id, services.store)
+    turn = _Turn(request, session_id, services, lease, StopChecker(request.rules, decode), state.stats)
+    progress = _Progress(state, stored, SessionStats())
     try:
-        if retried:  # the same checker over the same tokens: the reply so far, as first sent
-            emitted, text = _apply_stop_rules(checker, retried)
-            yield Chunk(emitted, text)
-        while not checker.finish_reason:
-            # The span ends before the round yields: a span left current across a yield would leak
-            # into whatever the consumer does in between.
-            with tracer.start_as_current_span("speculation.round") as span:
-                round_start = time.perf_counter()
-                n = len(committed)
-                remaining = request.rules.max_tokens - len(checker.token_ids)
-                k = min(_choose_k(request, state.policy), remaining - 1)  # a round commits at most k + 1 tokens
-                resyncs = draft.resyncs + target.resyncs
-                # 1. draft
-                drafting = None
-                ahead = lookahead(state.policy, k, request.policy)
-                forced_plain = k > 0 and not services.outage.drafting(services.drafter)
-                if k > 0 and not forced_plain:
-                    try:
-                        drafting = await asyncio.wait_for(_call(draft, committed, lambda s: services.drafter.propose(
-                            ProposeRequest(session_id, s, k, request.params, ahead, _min_confidence(request))
-                        )), services.outage.timeout_s)
-                    except (ServiceUnavailable, TimeoutError) as error:
-                        services.outage.lost(error)
-                        forced_plain = True
-                drafted: DraftReply | None = drafting and drafting.reply
-                proposal = drafted.proposal if drafted else EMPTY_PROPOSAL
-                if not request.policy.siblings:
-                    proposal = replace(proposal, sibling=None)
-                k = len(proposal.tokens)  # a confidence stop may have drafted fewer
-                # 2. verify
-                verifying = await _call(
-                    target, committed, lambda s: services.verifier.verify(
-                        VerifyRequest(session_id, s, proposal, request.params)
-                    )
-                )
-                verified: VerifyReply = verifying.reply
-                a = verified.verdict.num_accepted
-                # 3. commit what the stop rules let through
-                emitted, text = _apply_stop_rules(checker, verified.verdict.committed(proposal.tokens))
-                committed.extend(emitted)
-                # 4. rollback: pure bookkeeping; the draft's valid prefix ends after the accepted drafts
-                if drafted:
-                    draft.position, draft.instance_id = min(n + a, len(committed)), drafted.instance_id
-                target.position, target.instance_id = min(verified.position, len(committed)), verified.instance_id
-                # 5. learn: acceptance and timings feed the K / fallback policy
-                policy = state.policy
-                observation = _observation(k, a, drafting, verifying, ahead > 0)
-                if request.fixed_k is None and not forced_plain:  # an outage's rounds say nothing of the policy
-                    policy = observe(policy, observation, request.policy)
-                round_stats = SessionStats().record(
-                    k, a, policy.fallbacks - state.policy.fallbacks, draft.resyncs + target.resyncs - resyncs,
-                    observation.draft_s, observation.verify_s, observation.reused,
-                    sibling_tokens=int(verified.verdict.after_sibling is not None), outage_rounds=int(forced_plain),
-                )
-                span.set_attributes(_round_attributes(stats.rounds, observation, len(committed), policy.mode))
-                stats += round_stats
-                state = replace(
-                    state,
-                    tokens=tuple(committed),
-                    draft=draft.frozen(),
-                    target=target.frozen(),
-                    policy=policy,
-                    stats=state.stats + round_stats,
-                )
-                # 6. persist (fenced: fails if another coordinator took the session over), then emit
-                await services.store.save(lease, state, appended_from=stored)
-                # The round's wall time includes its own save, so it reaches the store with the next one.
-                wall = SessionStats(round_wall_s=time.perf_counter() - round_start)
-                stats, state = stats + wall, replace(state, stats=state.stats + wall)
-            stored = len(committed)
+        if replayed:  # the same checker over the same tokens: the reply so far, as first sent
+            yield Chunk(*_apply_stop_rules(turn.checker, replayed))
+        while not turn.checker.finish_reason:
+            result = await run_round(turn, progress)
+            progress = result.progress
             if on_round:
-                on_round(RoundRecord(
-                    k, a, len(committed), drafted and drafted.position, verified.position, policy.mode, observation
-                ))
-            if emitted:
-                yield Chunk(emitted, text)
-            if checker.finish_reason and request.fixed_k is None:
-                await services.store.remember(state.policy)
-        yield Finished(checker.finish_reason, tuple(checker.token_ids), checker.text, stats, state)
+                on_round(result.record)
+            if result.emitted:
+                yield Chunk(result.emitted, result.text)
+        if progress.stats.rounds and request.fixed_k is None:
+            await services.store.remember(progress.state.policy)
+        checker = turn.checker
+        yield Finished(checker.finish_reason, tuple(checker.token_ids), checker.text, progress.stats, progress.state)
     finally:
         if ephemeral:
             await forget(session_id, services)
+
+
+async def run_round(turn: _Turn, progress: _Progress) -> RoundResult:
+    """Draft, verify, commit, roll back, learn, save. The span ends before the round's tokens are
+    emitted: a span left current across a yield would leak into whatever the consumer does."""
+    request, services, state = turn.request, turn.services, progress.state
+    with tracer.start_as_current_span("speculation.round") as span:
+        start = time.perf_counter()
+        remaining = request.rules.max_tokens - len(turn.checker.token_ids)
+        k = min(_choose_k(request, state.policy), remaining - 1)  # a round commits at most k + 1 tokens
+        # 1. draft
+        drafting, outage = await _draft(turn, state, k)
+        proposal = drafting.reply.proposal if drafting else EMPTY_PROPOSAL
+        if not request.policy.siblings:
+            proposal = replace(proposal, sibling=None)
+        k = len(proposal.tokens)  # a confidence stop may have drafted fewer
+        # 2. verify
+        verifying = await _call(state.target, state.tokens, lambda s: services.verifier.verify(
+            VerifyRequest(turn.session_id, s, proposal, request.params)
+        ))
+        verdict, a = verifying.reply.verdict, verifying.reply.verdict.num_accepted
+        # 3. commit what the stop rules let through
+        emitted, text = _apply_stop_rules(turn.checker, verdict.committed(proposal.tokens))
+        n, committed = len(state.tokens), state.tokens + emitted
+        # 4. rollback: pure bookkeeping; the draft's valid prefix ends after the accepted drafts
+        draft = ServiceCursor(min(n + a, len(committed)), drafting.reply.instance_id) if drafting else state.draft
+        target = ServiceCursor(min(verifying.reply.position, len(committed)), verifying.reply.instance_id)
+        # 5. learn: acceptance and timings feed the K / fallback policy
+        observation = _observation(k, a, drafting, verifying)
+        policy = state.policy
+        if request.fixed_k is None and not outage:  # an outage's rounds say nothing of the policy
+            policy = observe(policy, observation, request.policy)
+        resyncs = sum(call.resynced for call in (drafting, verifying) if call)
+        stats = progress.stats + SessionStats().record(
+            k, a, policy.fallbacks - state.policy.fallbacks, resyncs, observation.draft_s, observation.verify_s,
+            sibling_tokens=int(verdict.after_sibling is not None), outage_rounds=int(outage),
+        )
+        span.set_attributes(_round_attributes(progress.stats.rounds, observation, len(committed), policy.mode))
+        state = replace(state, tokens=committed, draft=draft, target=target, policy=policy,
+                        stats=turn.session_stats + stats)
+        # 6. persist (fenced: fails if another coordinator took the session over), then emit
+        await services.store.save(turn.lease, state, appended_from=progress.stored)
+        # The round's wall time includes its own save, so it reaches the store with the next one.
+        stats += SessionStats(round_wall_s=time.perf_counter() - start)
+    record = RoundRecord(k, a, len(committed), drafting and drafting.reply.position, verifying.reply.position,
+                         policy.mode, observation)
+    progress = _Progress(replace(state, stats=turn.session_stats + stats), len(committed), stats)
+    return RoundResult(progress, emitted, text, record)
+
+
+async def _open_turn(
+    state: SessionState, request: GenerationRequest, request_id: str, store: SessionStore
+) -> tuple[SessionState, int, tuple[int, ...]]:
+    """The session with this turn's prompt appended, the committed length the store holds, and
+    what the turn already generated when this request retries it (nothing is appended then)."""
+    if state.requests == 0:
+        state = await _start_from_prior(state, store)
+    stored = len(state.tokens)
+    replayed = _retried_turn(state, request, request_id)
+    if replayed is not None:
+        return state, stored, replayed
+    turn = Turn(request_id, stored, request_digest(request)) if request_id else None
+    return replace(state, tokens=state.tokens + request.prompt, requests=state.requests + 1, turn=turn), stored, ()
+
+
+async def _draft(turn: _Turn, state: SessionState, k: int) -> tuple[_Called | None, bool]:
+    """The round's proposal (None: it drafts nothing), and whether that is because no draft
+    replica answered (an outage: the round is a plain step)."""
+    services, request = turn.services, turn.request
+    if k == 0:
+        return None, False
+    if not services.outage.drafting(services.drafter):
+        return None, True
+    try:
+        return await asyncio.wait_for(_call(state.draft, state.tokens, lambda s: services.drafter.propose(
+            ProposeRequest(turn.session_id, s, k, request.params, min_confidence=_min_confidence(request))
+        )), services.outage.timeout_s), False
+    except (ServiceUnavailable, TimeoutError) as error:
+        services.outage.lost(error)
+        return None, True
 
 
 def request_digest(request: GenerationRequest) -> str:
@@ -292,6 +308,7 @@ class _Called:
     reply: DraftReply | VerifyReply
     wall_s: float
     sent: int  # committed tokens the service had to catch up on before this round's work
+    resynced: bool = False  # the service had lost the session and got everything resent
 
     @property
     def cold(self) -> bool:
@@ -305,9 +322,7 @@ class _Called:
         return max(0.0, self.wall_s - self.reply.compute_s - self.reply.queued_s)
 
 
-def _observation(
-    k: int, accepted: int, drafting: _Called | None, verifying: _Called, drafted_ahead: bool
-) -> RoundObservation:
+def _observation(k: int, accepted: int, drafting: _Called | None, verifying: _Called) -> RoundObservation:
     calls = [verifying] + ([drafting] if drafting else [])
     return RoundObservation(
         k=k,
@@ -317,24 +332,24 @@ def _observation(
         rtt_s=sum(c.overhead_s for c in calls) / len(calls),
         draft_cold=bool(drafting and drafting.cold),
         target_cold=verifying.cold,
-        reused=drafting.reply.reused if drafting else 0,
-        drafted_ahead=drafted_ahead,
         target_shared=verifying.reply.batch_size > 1,
     )
 
 
-async def _call(cursor: _Cursor, committed: Sequence[int], call: Callable[[SyncPoint], Awaitable[T]]) -> _Called:
+async def _call(cursor: ServiceCursor, committed: Sequence[int], call: Callable[[SyncPoint], Awaitable[T]]) -> _Called:
     """Call a service with the tokens it lacks; if it lost the session, resend everything."""
     start = time.perf_counter()
-    sync = cursor.sync(committed)
+    sync, resynced = _sync(cursor, committed), False
     try:
         reply = await call(sync)
     except StaleSession:
-        cursor.position, cursor.instance_id = 0, ""
-        cursor.resyncs += 1
-        sync = cursor.sync(committed)
+        sync, resynced = _sync(ServiceCursor(), committed), True
         reply = await call(sync)
-    return _Called(reply, time.perf_counter() - start, len(sync.tokens))
+    return _Called(reply, time.perf_counter() - start, len(sync.tokens), resynced)
+
+
+def _sync(cursor: ServiceCursor, committed: Sequence[int]) -> SyncPoint:
+    return SyncPoint(cursor.position, tuple(committed[cursor.position :]), cursor.instance_id)
 
 
 _forgetting: set[asyncio.Future] = set()  # releases still running after their request was cancelled

@@ -38,7 +38,6 @@ class SessionStats:
     draft_compute_s: float = 0.0  # model time the draft service reported
     verify_compute_s: float = 0.0  # model time the target service reported (plain steps included)
     round_wall_s: float = 0.0  # the coordinator's wall time for its rounds, store saves included
-    reused: int = 0  # drafts the draft had made ahead during the previous round (pipelining's won bets)
     sibling_tokens: int = 0  # tokens committed after a recovered sibling (specd/verify.py): one per sibling won
     outage_rounds: int = 0  # plain rounds because no draft replica answered (specd/loop.py: DraftOutage)
 
@@ -55,13 +54,12 @@ class SessionStats:
         resyncs: int = 0,
         draft_s: float = 0.0,
         verify_s: float = 0.0,
-        reused: int = 0,
         sibling_tokens: int = 0,
         outage_rounds: int = 0,
     ) -> "SessionStats":
         judged = accepted + (1 if accepted < k else 0)
         return self + SessionStats(
-            1, k, accepted, (1,) * accepted, (1,) * k, fallbacks, resyncs, judged, draft_s, verify_s, reused=reused,
+            1, k, accepted, (1,) * accepted, (1,) * k, fallbacks, resyncs, judged, draft_s, verify_s,
             sibling_tokens=sibling_tokens, outage_rounds=outage_rounds,
         )
 
@@ -78,7 +76,6 @@ class SessionStats:
             self.draft_compute_s + other.draft_compute_s,
             self.verify_compute_s + other.verify_compute_s,
             self.round_wall_s + other.round_wall_s,
-            self.reused + other.reused,
             self.sibling_tokens + other.sibling_tokens,
             self.outage_rounds + other.outage_rounds,
         )

@@ -79,7 +79,7 @@ def test_draft_batch_drafts_what_each_session_drafts_alone(tiny_pair, params, mi
         for request, reply in zip(requests, DraftEngine(batched).propose(requests)):
             proposal = reply.proposal
             expected = propose(alone, request.session_id, request.k, params, min_confidence)
-            assert reply.reused == 0 and proposal.tokens == expected.tokens and len(proposal.q) == len(expected.q)
+            assert proposal.tokens == expected.tokens and len(proposal.q) == len(expected.q)
             for row, expected_row in zip(proposal.q, expected.q):  # equal up to the rounding of a batched matmul
                 assert torch.allclose(sparse.decode(row, alone.vocab_size), sparse.decode(expected_row, alone.vocab_size))
             assert batched.tokens(request.session_id) == alone.tokens(request.session_id)

@@ -44,7 +44,7 @@ def test_bench_runs_end_to_end_and_reports_every_figure(tiny_pair, redis_url, re
                 assert key in row, (config, key)
         assert {"draft_step", PLAIN, "K=1", "K=2"} <= set(summary["step_times_s"])
     assert result["concurrency"]["sessions"] == 2 and "ratio" in result["concurrency"]
-    assert "pipelined_drafting" in result and result["goals"]
+    assert result["goals"]
     for run in result["runs"]:
         if run["config"].startswith("K="):
             assert run["judged_tokens"] >= run["accepted_tokens"] and run["draft_compute_s"] > 0

@@ -18,7 +18,7 @@ from services.coordinator.model_info import ModelInfo
 
 @dataclass(frozen=True)
 class Limits:
-    """The server's bounds on requests; the policy's own defaults (specd/policy.py) are the one source."""
+    """The server's bounds on requests; the policy's own defaults (specd/policy/base.py) are the one source."""
 
     default_k: int = PolicyConfig.default_k
     max_k: int = PolicyConfig.max_k
@@ -28,7 +28,6 @@ class Limits:
     max_prompt_chars: int = 64 * 1024
     max_stop_strings: int = 8
     max_stop_chars: int = 128
-    pipeline: str = "off"  # draft ahead while the target verifies: off | on | auto (specd.policy)
     row_blocks: tuple[int, ...] | None = ()  # row counts the target pads verifications to (specd.policy); None: ask it
     min_confidence: float = PolicyConfig.min_confidence  # adaptive K's confidence stop
     siblings: bool = True  # greedy rounds send the draft's runner-up for the target's spare rows
@@ -96,7 +95,7 @@ def generation_request(req: ClientRequest, model: ModelInfo, limits: Limits) -> 
 def policy_config(limits: Limits, max_k: int) -> PolicyConfig:
     """The policy of a request that may draft up to max_k (at most the server's)."""
     return PolicyConfig(
-        max_k=max_k, default_k=min(limits.default_k, max_k), pipeline=limits.pipeline, row_blocks=limits.row_blocks or (),
+        max_k=max_k, default_k=min(limits.default_k, max_k), row_blocks=limits.row_blocks or (),
         min_confidence=limits.min_confidence, siblings=limits.siblings,
     )
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from specd import audit
 from specd.loop import Drafter, Services, Verifier
 from specd.outage import DRAFT_TIMEOUT_S, DraftOutage
-from specd.policy import PIPELINE_MODES, PolicyConfig
+from specd.policy import PolicyConfig
 from services.common import discovery, settings
 from services.common.client import NetworkDelay
 from services.common.tls import CALLER, TlsFiles
@@ -32,11 +32,6 @@ POOL_HELP = "host:port[,host:port...], dns:///name:port (every address it resolv
 CALIBRATION_ATTEMPTS, CALIBRATION_RETRY_S = 24, 5.0  # two minutes for the model services to come up
 log = logging.getLogger(__name__)
 
-
-def pipeline_mode(value: str) -> str:
-    if value not in PIPELINE_MODES:
-        raise argparse.ArgumentTypeError(f"pipeline must be one of {', '.join(PIPELINE_MODES)}, got {value!r}")
-    return value
 
 
 def row_blocks(value: str) -> str | tuple[int, ...]:
@@ -96,8 +91,6 @@ def build_parser() -> argparse.ArgumentParser:
     settings.add(parser, "--session-ttl-s", type=float, default=3600.0, help="idle sessions expire after this")
     settings.add(parser, "--default-k", type=int, default=Limits.default_k, help="draft tokens per round")
     settings.add(parser, "--max-k", type=int, default=Limits.max_k, help="largest K a request may ask for")
-    settings.add(parser, "--pipeline", type=pipeline_mode, default="off",
-                 help="draft ahead while the target verifies: off, on, or auto (the cost model decides per session)")
     settings.add(parser, "--verify-row-blocks", type=row_blocks, default="target",
                  help="row counts the target pads a verification's K + 1 rows to, so K of one block cost the same: "
                       "target (what the target reports at start-up), none (as fed), or a list like 1,2,4,8,16")
@@ -158,7 +151,7 @@ def _row_blocks(args: argparse.Namespace) -> tuple[int, ...] | None:
 def build(args: argparse.Namespace, drafter: Drafter, verifier: Verifier) -> Frontend:
     """The frontend over these model-service clients, as the settings say."""
     limits = Limits(
-        default_k=args.default_k, max_k=args.max_k, pipeline=args.pipeline, row_blocks=_row_blocks(args),
+        default_k=args.default_k, max_k=args.max_k, row_blocks=_row_blocks(args),
         min_confidence=args.draft_confidence, siblings=args.siblings == "on",
     )
     if args.inject_rtt_ms:

@@ -11,14 +11,14 @@ from services.protogen.specd.v1 import draft_pb2
 def propose_from_proto(msg: draft_pb2.ProposeRequest) -> ProposeRequest:
     return ProposeRequest(
         msg.session_id, common.sync_from_proto(msg.sync), msg.k, common.params_from_proto(msg.sampling),
-        msg.lookahead, msg.min_confidence,
+        msg.min_confidence,
     ).validate()
 
 
 def propose_to_proto(request: ProposeRequest) -> draft_pb2.ProposeRequest:
     return draft_pb2.ProposeRequest(
         session_id=request.session_id, sync=common.sync_to_proto(request.sync), k=request.k,
-        sampling=common.params_to_proto(request.params), lookahead=request.lookahead,
+        sampling=common.params_to_proto(request.params),
         min_confidence=request.min_confidence,
     )
 
@@ -30,7 +30,6 @@ def reply_to_proto(reply: DraftReply) -> draft_pb2.ProposeResponse:
         position=reply.position,
         instance_id=reply.instance_id,
         compute_s=reply.compute_s,
-        reused=reply.reused,
         queued_s=reply.queued_s,
         sibling=reply.proposal.sibling,
     )
@@ -38,4 +37,4 @@ def reply_to_proto(reply: DraftReply) -> draft_pb2.ProposeResponse:
 
 def reply_from_proto(msg: draft_pb2.ProposeResponse) -> DraftReply:
     proposal = Proposal(tuple(msg.tokens), common.dists_from_proto(msg.q), common.optional(msg, "sibling"))
-    return DraftReply(proposal, msg.position, msg.instance_id, msg.compute_s, msg.reused, msg.queued_s)
+    return DraftReply(proposal, msg.position, msg.instance_id, msg.compute_s, msg.queued_s)

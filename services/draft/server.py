@@ -1,5 +1,4 @@
-"""Draft service: proposes K tokens per round from the small model, and (pipelining) drafts
-ahead while the target verifies.
+"""Draft service: proposes K tokens per round from the small model.
 
 Proposals that arrive while the model is busy wait and then draft together
 (`specd.draft_engine.DraftEngine.propose`): each drafting step is one model pass over every
@@ -8,10 +7,6 @@ session still drafting. Each request is still synced, checked, traced and answer
 
 from __future__ import annotations
 
-import asyncio
-import contextvars
-import logging
-import time
 from typing import Any
 
 import grpc
@@ -25,8 +20,6 @@ from services.common.worker import Batching, EngineWorker
 from services.draft import convert
 from services.protogen.specd.v1 import draft_pb2, draft_pb2_grpc
 
-log = logging.getLogger(__name__)
-
 
 class DraftServicer(ModelServicer[ProposeRequest, DraftReply], draft_pb2_grpc.DraftServiceServicer):
     role = "draft"
@@ -34,7 +27,6 @@ class DraftServicer(ModelServicer[ProposeRequest, DraftReply], draft_pb2_grpc.Dr
 
     def __init__(self, engine: ModelEngine, name: str, worker: EngineWorker, batching: Batching = Batching()):
         super().__init__(DraftEngine(engine), worker, batching)
-        self._drafting: set[asyncio.Task] = set()
 
     @grpc_errors
     async def Propose(self, request: draft_pb2.ProposeRequest, context: grpc.aio.ServicerContext):
@@ -42,15 +34,9 @@ class DraftServicer(ModelServicer[ProposeRequest, DraftReply], draft_pb2_grpc.Dr
         return convert.reply_to_proto(reply)
 
     async def propose(self, request: ProposeRequest) -> DraftReply:
-        """Draft k in the next batch (taking drafts made ahead first), then start drafting ahead if
-        asked. Transport-free: the gRPC method and the Ray Serve deployment both call it."""
-        reply = await self.submit(request)
-        if request.lookahead:
-            # A fresh context: the drafting outlives the request, its spans belong to no request.
-            task = asyncio.create_task(self._draft_ahead(request), context=contextvars.Context())
-            self._drafting.add(task)
-            task.add_done_callback(self._drafting.discard)
-        return reply
+        """Draft k in the next batch. Transport-free: the gRPC method and the Ray Serve deployment
+        both call it."""
+        return await self.submit(request)
 
     def _engine_batch(self, requests: list[ProposeRequest]) -> list[DraftReply | Exception]:
         return self.role_engine.propose(requests)
@@ -59,25 +45,7 @@ class DraftServicer(ModelServicer[ProposeRequest, DraftReply], draft_pb2_grpc.Dr
         return "propose"
 
     def _span_attributes(self, request: ProposeRequest, reply: DraftReply) -> dict[str, Any]:
-        return {"specd.k": request.k, "specd.drafted": len(reply.proposal.tokens), "specd.position": reply.position,
-                "specd.reused": reply.reused}
-
-    async def _draft_ahead(self, request: ProposeRequest) -> None:
-        """One draft per worker turn, so a newer call waits one draft step at most."""
-
-        def step() -> bool:
-            start = time.perf_counter()
-            if not self.role_engine.draft_ahead(request):  # a newer call came: the bet is settled
-                return False
-            self.metrics.model_step("lookahead", time.perf_counter() - start)
-            return True
-
-        try:
-            for _ in range(request.lookahead):
-                if not await self.worker.run(step):
-                    return
-        except Exception as error:  # e.g. the context is full: the next round drafts for itself
-            log.debug("drafting ahead stopped for %s: %s", request.session_id, error)
+        return {"specd.k": request.k, "specd.drafted": len(reply.proposal.tokens), "specd.position": reply.position}
 
 
 def register(servicer: DraftServicer):

@@ -1,0 +1,88 @@
+"""The policy's vocabulary: its settings, what a round shows it, what it has learned, its state."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specd.validation import validate_that
+
+SPECULATIVE, PLAIN = "speculative", "plain"
+CALIBRATION_ROUNDS = 2  # plain rounds a fresh state may spend measuring verify(0)
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    max_k: int = 16  # the server's bound; a request may lower it
+    default_k: int = 4  # K before anything is measured, and the fixed K when not adaptive
+    probe_k: int = 1  # K of a probe in plain mode: the cheapest probe; a good draft passes it as often as K = 4
+    adaptive: bool = True  # False: K stays min(default_k, max_k); the fallback still guards
+    off_below: float = 0.95  # fall back to plain decoding when the best predicted speedup < this
+    on_above: float = 1.05  # leave plain mode (after a probe) only when it is > this (hysteresis)
+    probe_every: int = 16  # plain rounds before the first re-probe; doubles after each failed probe
+    probe_max: int = 512
+    smoothing: float = 0.3  # EWMA weight of a new observation (timings)
+    alpha_window: int = 16  # rounds of evidence behind α (its counts decay by 1 - 1/alpha_window a round)
+    row_blocks: tuple[int, ...] = ()  # row counts the target computes verifications at, ascending; () = as fed
+    min_confidence: float = 0.4  # confidence stop: drafting ends after a draft with q(token) below this (0: off),
+    # as transformers' assisted generation's default
+    siblings: bool = True  # greedy: send the draft's runner-up for the target's spare rows (specd/verify.py)
+
+    def validate(self) -> None:
+        validate_that(self.max_k >= 1, f"max_k must be >= 1, got {self.max_k}")
+        validate_that(self.default_k >= 1, f"default_k must be >= 1, got {self.default_k}")
+        validate_that(self.probe_k >= 1, f"probe_k must be >= 1, got {self.probe_k}")
+        validate_that(self.off_below <= self.on_above, "off_below must not exceed on_above")
+        validate_that(1 <= self.probe_every <= self.probe_max, "need 1 <= probe_every <= probe_max")
+        validate_that(0.0 < self.smoothing <= 1.0, f"smoothing must be in (0, 1], got {self.smoothing}")
+        validate_that(self.alpha_window >= 1, f"alpha_window must be >= 1, got {self.alpha_window}")
+        validate_that(
+            list(self.row_blocks) == sorted(set(self.row_blocks)) and all(b >= 1 for b in self.row_blocks),
+            f"row_blocks must be ascending positive row counts, got {self.row_blocks}",
+        )
+        validate_that(0.0 <= self.min_confidence < 1.0, f"min_confidence must be in [0, 1), got {self.min_confidence}")
+
+    @property
+    def start_k(self) -> int:
+        """K before anything is measured, within max_k."""
+        return max(1, min(self.default_k, self.max_k))
+
+    def cost_k(self, k: int) -> int:
+        """The K whose verification costs what K drafts' does: the largest K whose K + 1 rows the
+        target pads to the same row block (K itself when it does not pad them)."""
+        return next((block - 1 for block in self.row_blocks if block >= k + 1), k)
+
+
+@dataclass(frozen=True)
+class RoundObservation:
+    k: int  # tokens drafted this round (0 = a plain step)
+    accepted: int  # of those, accepted
+    draft_s: float  # draft service compute for the whole round (0 when k = 0)
+    verify_s: float  # target service compute for the round
+    rtt_s: float  # per-RPC overhead (wall - compute), averaged over the round's RPCs
+    draft_cold: bool = False  # the draft processed more than this round's tokens (prefill, catch-up)
+    target_cold: bool = False  # the target did: its verify_s is not a decode step
+    target_shared: bool = False  # other sessions' verifications shared the target's pass: verify_s timed theirs too
+
+
+@dataclass(frozen=True)
+class Estimates:
+    alpha: float = 0.7  # per-draft-token acceptance rate (prior until measured)
+    draft_step_s: float | None = None  # draft compute per drafted token
+    verify_s: tuple[tuple[int, float], ...] = ()  # target compute per round, by K (K = 0: plain step)
+    rtt_s: float = 0.0  # per RPC: wall time minus service compute
+    observations: int = 0
+    accepted_count: float = 0.0  # decayed count of accepted drafts; alpha = accepted_count / tested_count
+    tested_count: float = 0.0  # decayed count of drafts the target judged (accepted + 1 unless all passed)
+    judged: int = 0  # drafts the target judged in this session (not decayed, not inherited)
+
+
+@dataclass(frozen=True)
+class PolicyState:
+    mode: str = SPECULATIVE
+    k: int = 4
+    estimates: Estimates = Estimates()
+    plain_rounds_until_probe: int = 0
+    probe_interval: int = 16
+    fallbacks: int = 0
+    mode_rounds: int = 0  # rounds since the last switch (a short speculative stint = a failed probe)
+    drafted_last_round: bool = False  # else the next drafting round is cold: the draft must catch up

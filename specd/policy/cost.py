@@ -1,0 +1,134 @@
+"""The cost model: predicted speedup S(K) from α, the draft step, verify(K) and the RTT, and the
+decisions read off it (the best K, falling back). Formulas and rationale: docs/policy.md."""
+
+from __future__ import annotations
+
+import math
+
+from specd.policy.base import CALIBRATION_ROUNDS, Estimates, PolicyConfig
+
+PRIOR_SLOPE = 0.25  # verify(K) ≈ verify(0)·(1 + PRIOR_SLOPE·K) when only one K is measured
+TIMING_EVIDENCE = CALIBRATION_ROUNDS + 3  # rounds before timings alone may switch speculation off
+MIN_JUDGED = 16  # drafts judged in this session before timings alone may switch speculation off
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Tokens one round commits: the accepted drafts plus the recovered/bonus token."""
+    if alpha >= 1.0:
+        return float(k + 1)
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+def verify_time(est: Estimates, k: int, config: PolicyConfig = PolicyConfig()) -> float | None:
+    """Target compute for a round with K drafts: the measurement when K (or a K of its row block)
+    was measured, else a least-squares line through the measured K (slope >= 0: more positions
+    never cost less), or PRIOR_SLOPE through a single point. Never below what a batched pass can
+    cost: K + 1 positions at once cost at most K + 1 times one position. None when nothing is
+    measured."""
+    k = config.cost_k(k)
+    points = dict(est.verify_s)
+    if k in points:
+        return points[k]
+    if not points:
+        return None
+    slope, intercept = _fit(points)
+    floor = max((t * (k + 1) / (km + 1) for km, t in points.items() if km > k), default=0.0)
+    return max(intercept + slope * k, floor)
+
+
+def _fit(points: dict[int, float]) -> tuple[float, float]:
+    """(slope, intercept) of verify time over K."""
+    if len(points) == 1:
+        ((k1, t1),) = points.items()
+        t0 = t1 / (1.0 + PRIOR_SLOPE * k1)
+        return PRIOR_SLOPE * t0, t0
+    n = len(points)
+    mean_k = sum(points) / n
+    mean_t = sum(points.values()) / n
+    var_k = sum((k - mean_k) ** 2 for k in points)
+    slope = max(0.0, sum((k - mean_k) * (t - mean_t) for k, t in points.items()) / var_k)
+    return slope, mean_t - slope * mean_k
+
+
+def is_measured(est: Estimates) -> bool:
+    """Enough to compare speculation with plain decoding: the draft step, and verify(0)
+    either measured next to a K > 0 or extrapolated from two measured K > 0."""
+    measured_k = {k for k, _ in est.verify_s if k > 0}
+    has_plain = any(k == 0 for k, _ in est.verify_s)
+    return est.draft_step_s is not None and len(measured_k) >= (1 if has_plain else 2)
+
+
+def predicted_speedup(est: Estimates, k: int, config: PolicyConfig = PolicyConfig()) -> float:
+    """S(K) of the module docstring: plain rounds per second of speculative work. Needs
+    `is_measured(est)`."""
+    plain_s = verify_time(est, 0, config)
+    if est.draft_step_s is None or plain_s is None:
+        raise ValueError("predicted_speedup needs the draft step and a verify time measured")
+    return expected_tokens(est.alpha, k) * (plain_s + est.rtt_s) / round_time(est, k, config)
+
+
+def round_time(est: Estimates, k: int, config: PolicyConfig = PolicyConfig()) -> float:
+    """T(K) of the module docstring: one synchronous round with K drafts. Needs `is_measured(est)`."""
+    return k * est.draft_step_s + verify_time(est, k, config) + 2 * est.rtt_s
+
+
+def best_k(est: Estimates, config: PolicyConfig) -> tuple[int, float]:
+    """(K, S(K)) maximising the predicted speedup over 1..max_k (just the fixed K when not
+    adaptive); the smaller K on a tie. Before anything is measured: (the default K, nan)."""
+    if not is_measured(est):
+        return config.start_k, math.nan
+    candidates = range(1, config.max_k + 1) if config.adaptive else (config.start_k,)
+    return max(((k, predicted_speedup(est, k, config)) for k in candidates), key=lambda ks: (ks[1], -ks[0]))
+
+
+def should_fall_back(est: Estimates, config: PolicyConfig) -> bool:
+    """Plain decoding is predicted to beat the best K by a margin. Never before the
+    comparison rests on measurements: a prior alone must not switch speculation off.
+
+    Two kinds of evidence, trusted at different speeds. Acceptance alone can condemn a draft at
+    once: if even free verification (verify(K) = verify(0)) would not pay, no timing noise can
+    rescue it, and a useless draft is dropped within five rounds. A verdict that rests on
+    timings waits for TIMING_EVIDENCE rounds: the first measurements of a fresh session are the
+    noisiest (caches warming, the other service's threads still busy), and one slow verify
+    must not switch a good draft off; nor may a few unlucky rounds of a good one: at α = 0.8,
+    two rounds of 0/4 right after the prompt happen 4 % of the time and read as α = 0.33, so
+    the timing verdict also waits for MIN_JUDGED drafts judged in this session. A useless
+    draft does not wait for it (acceptance alone condemns it within five rounds); a mediocre
+    one pays up to MIN_JUDGED drafts once per deployment (later sessions inherit the verdict)."""
+    if not is_measured(est) or best_k(est, config)[1] >= config.off_below:
+        return False
+    enough_evidence = est.observations >= TIMING_EVIDENCE and est.judged >= MIN_JUDGED
+    return _hopeless(est, config) or enough_evidence
+
+
+def _hopeless(est: Estimates, config: PolicyConfig) -> bool:
+    """Even with verification as cheap as a plain step, no K would pay."""
+    plain_s = verify_time(est, 0, config)
+
+    def free_speedup(k: int) -> float:
+        round_s = k * est.draft_step_s + plain_s + 2 * est.rtt_s
+        return expected_tokens(est.alpha, k) * (plain_s + est.rtt_s) / round_s
+
+    return max(free_speedup(k) for k in range(1, config.max_k + 1)) < config.off_below
+
+
+def explore_k(est: Estimates, config: PolicyConfig, k: int, speedup: float) -> int:
+    """K for the next round: the best K, or an unmeasured larger K that could beat it. On a CPU
+    verify(K) is concave (one position to two costs most), so the straight line through the small
+    K a session measured overestimates large K, which would then never be tried. Optimism in the
+    face of that uncertainty: a K above the best is tried once if it would win with verification
+    costing no more than at the largest measured K below it (its measurement then stands)."""
+    if not config.adaptive or math.isnan(speedup):
+        return k
+    points = dict(est.verify_s)
+    plain_s = verify_time(est, 0, config)
+
+    def optimistic(candidate: int) -> float:
+        below = [km for km in points if km < candidate]
+        below_s = points[max(below)] if below else verify_time(est, candidate, config)
+        round_s = candidate * est.draft_step_s + below_s + 2 * est.rtt_s
+        return expected_tokens(est.alpha, candidate) * (plain_s + est.rtt_s) / round_s
+
+    unmeasured = [c for c in range(k + 1, config.max_k + 1) if config.cost_k(c) not in points]
+    best = max(unmeasured, key=optimistic, default=None)
+    return best if best is not None and optimistic(best) > speedup else k

@@ -1,0 +1,92 @@
+"""Acceptance and timings learnt from rounds: α from decayed counts, timings by EWMA, and the
+prior a deployment's start-up calibration measures. Rationale: docs/policy.md."""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+from specd.policy.base import Estimates, PolicyConfig, PolicyState, RoundObservation
+from specd.policy.cost import is_measured
+
+PRIOR_DRAFTS = 2.0  # weight, in drafts, of the prior α: three rejections in a row outweigh it
+
+
+def learn(
+    est: Estimates, obs: RoundObservation, config: PolicyConfig, draft_cold: bool, target_cold: bool
+) -> Estimates:
+    """Update the estimates from one round: α from decayed counts, timings by EWMA (a first
+    measurement is taken as is); a cold service's timing is skipped."""
+    accepted_count, tested_count, judged = _learn_acceptance(est, obs, config.alpha_window)
+    alpha = accepted_count / tested_count if tested_count > 0 else est.alpha
+    w = config.smoothing
+    draft_step = est.draft_step_s
+    if obs.k > 0 and not draft_cold:
+        step = obs.draft_s / obs.k
+        draft_step = step if draft_step is None else _ewma(draft_step, step, w)
+    verify_s = est.verify_s
+    if not target_cold and not (obs.target_shared and is_measured(est)):
+        verify_s = _learn_verify(est.verify_s, config.cost_k(obs.k), obs.verify_s, w)
+    rtt = obs.rtt_s if est.observations == 0 else _ewma(est.rtt_s, obs.rtt_s, w)
+    return Estimates(
+        alpha, draft_step, verify_s, rtt, est.observations + 1, accepted_count, tested_count, est.judged + judged,
+    )
+
+
+def _learn_acceptance(est: Estimates, obs: RoundObservation, window: int) -> tuple[float, float, int]:
+    """α is accepted / tested over decayed counts, not the mean of accepted / K: drafts after
+    the first rejection were never judged, so accepted / K would read α = 0.83 at K = 4 as
+    0.64; E[accepted] = α·E[tested] (Wald's identity), so accepted / tested converges to α.
+
+    Counts rather than an EWMA of the ratio, so a round weighs by the drafts it judged; and
+    they decay every round, plain ones included, so evidence ages with the text: a probe after
+    a long plain stretch speaks for the text as it is now. A window of 16 rounds keeps a few
+    unlucky rounds at α = 0.7 from reading as a useless draft; the 2-draft prior lets a truly
+    useless one show within three rounds."""
+    accepted, tested = est.accepted_count, est.tested_count
+    if tested == 0:
+        accepted, tested = est.alpha * PRIOR_DRAFTS, PRIOR_DRAFTS
+    keep = 1.0 - 1.0 / window
+    judged = obs.accepted + (1 if obs.accepted < obs.k else 0)
+    return accepted * keep + obs.accepted, tested * keep + judged, judged
+
+
+def _learn_verify(verify_s: tuple[tuple[int, float], ...], k: int, seconds: float, w: float):
+    points = dict(verify_s)
+    points[k] = seconds if k not in points else _ewma(points[k], seconds, w)
+    return tuple(sorted(points.items()))
+
+
+def _ewma(old: float, new: float, w: float) -> float:
+    return old + w * (new - old)
+
+
+def calibration_ks(config: PolicyConfig) -> tuple[int, ...]:
+    """The K whose rounds price every K up to max_k: a plain step, and one K per row block (its
+    largest within max_k); without blocks, every K. A target that runs the rows it is fed is not a
+    line through a few K: the q4 engine's cost steps up where a second row tile starts (7 rows,
+    benchmarks/results/rows_q4.json), and a line through K = 4, 8, 16 hid that step while the
+    optimism of `explore_k` tried each K in between once per session."""
+    if config.row_blocks:
+        ks = {block - 1 for block in config.row_blocks if block - 1 <= config.max_k} | {config.max_k}
+    else:
+        ks = set(range(1, config.max_k + 1))
+    return tuple(sorted(ks | {0}))
+
+
+def calibrated(rounds: Sequence[RoundObservation], config: PolicyConfig) -> PolicyState:
+    """The prior of a fresh deployment from timed rounds (`calibration_ks`, perhaps each more than
+    once): verify(K) by row block, the draft step and the RTT, each the fastest measured (noise
+    only ever adds time); acceptance left at the prior. A cold service's timing (it caught up on
+    more than the round's tokens) is left out."""
+    verify: dict[int, float] = {}
+    for obs in rounds:
+        if not obs.target_cold:
+            k = config.cost_k(obs.k)
+            verify[k] = min(verify.get(k, math.inf), obs.verify_s)
+    steps = [o.draft_s / o.k for o in rounds if o.k > 0 and not o.draft_cold]
+    estimates = Estimates(
+        draft_step_s=min(steps, default=None), verify_s=tuple(sorted(verify.items())),
+        rtt_s=min((o.rtt_s for o in rounds), default=0.0),
+    )
+    return PolicyState(estimates=estimates)

@@ -1,0 +1,101 @@
+"""The mode and K machine: speculative rounds at the best K, plain rounds with probes after a
+fallback, calibration of a fresh state, and a new session's start from the deployment's prior.
+Rationale: docs/policy.md."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+from specd.policy.base import CALIBRATION_ROUNDS, PLAIN, SPECULATIVE, PolicyConfig, PolicyState, RoundObservation
+from specd.policy.cost import best_k, explore_k, should_fall_back
+from specd.policy.learning import PRIOR_DRAFTS, learn
+
+SESSION_PROBE_AFTER = 1  # plain rounds (the prompt's prefill) before a new plain-mode session probes
+
+
+def inherit(prior: PolicyState) -> PolicyState:
+    """A new session's start from what the deployment learned last (the store keeps the latest
+    finished session's policy). Timings are properties of the deployment and carry over as they
+    are; acceptance depends on the text, so it comes back as a light prior (at most PRIOR_DRAFTS worth).
+    A deployment whose draft did not pay starts new sessions in plain mode with one probe right
+    after the prompt: acceptance depends on the text (code after prose, or a verdict taken while
+    the cores were busy), and one round is all it costs a useless draft per request. After that
+    probe the session follows the schedule the deployment had reached."""
+    est = prior.estimates
+    weight = min(est.tested_count, PRIOR_DRAFTS) or PRIOR_DRAFTS
+    est = replace(est, accepted_count=est.alpha * weight, tested_count=weight, judged=0)
+    return PolicyState(
+        mode=prior.mode,
+        k=prior.k,
+        estimates=est,
+        plain_rounds_until_probe=SESSION_PROBE_AFTER if prior.mode == PLAIN else 0,
+        probe_interval=prior.probe_interval,
+    )
+
+
+def next_k(state: PolicyState, config: PolicyConfig) -> int:
+    """K for the coming round; 0 = a plain step. Plain rounds: the calibration of a fresh
+    state (see the module docstring) and plain mode between probes. A session's first drafting
+    round drafts at most the default K: the deployment's K was learned on another text (15
+    drafts after code cost prose a second of its first token), and one round of this text's own
+    acceptance decides the next K."""
+    if _calibrating(state):
+        return 0
+    if state.mode == PLAIN:
+        return min(config.probe_k, config.max_k) if state.plain_rounds_until_probe <= 0 else 0
+    if not config.adaptive:
+        return config.start_k
+    k = min(max(state.k, 1), config.max_k)
+    return min(k, config.start_k) if state.estimates.judged == 0 else k
+
+
+def observe(state: PolicyState, obs: RoundObservation, config: PolicyConfig) -> PolicyState:
+    """Learn from one round, then decide K and the mode for the next."""
+    draft_cold = obs.draft_cold or not state.drafted_last_round
+    target_cold = obs.target_cold or state.estimates.observations == 0
+    est = learn(state.estimates, obs, config, draft_cold, target_cold)
+    state = replace(state, estimates=est, drafted_last_round=obs.k > 0)
+    if state.mode == SPECULATIVE:
+        return _after_speculative_round(state, config)
+    if obs.k > 0:
+        return _after_probe(state, config)
+    countdown = max(0, state.plain_rounds_until_probe - 1)
+    return replace(state, plain_rounds_until_probe=countdown, mode_rounds=state.mode_rounds + 1)
+
+
+def _after_speculative_round(state: PolicyState, config: PolicyConfig) -> PolicyState:
+    if should_fall_back(state.estimates, config):
+        interval = _interval_after_fallback(state, config)
+        return replace(
+            state,
+            mode=PLAIN,
+            fallbacks=state.fallbacks + 1,
+            probe_interval=interval,
+            plain_rounds_until_probe=interval,
+            mode_rounds=0,
+        )
+    k = explore_k(state.estimates, config, *best_k(state.estimates, config))
+    return replace(state, k=k, mode_rounds=state.mode_rounds + 1)
+
+
+def _after_probe(state: PolicyState, config: PolicyConfig) -> PolicyState:
+    k, speedup = best_k(state.estimates, config)
+    if math.isnan(speedup) or speedup > config.on_above:
+        return replace(state, mode=SPECULATIVE, k=k, mode_rounds=0)
+    interval = min(2 * state.probe_interval, config.probe_max)
+    return replace(state, probe_interval=interval, plain_rounds_until_probe=interval, mode_rounds=0)
+
+
+def _interval_after_fallback(state: PolicyState, config: PolicyConfig) -> int:
+    """Back to probe_every when speculation had paid for at least as long as the last plain
+    wait (the draft got worse: news worth re-checking soon); otherwise the re-entry was a
+    false start and counts as a failed probe."""
+    paid_for_a_while = state.fallbacks == 0 or state.mode_rounds >= state.probe_interval
+    return config.probe_every if paid_for_a_while else min(2 * state.probe_interval, config.probe_max)
+
+
+def _calibrating(state: PolicyState) -> bool:
+    est = state.estimates
+    plain_measured = any(k == 0 for k, _ in est.verify_s)
+    return state.mode == SPECULATIVE and not plain_measured and est.observations < CALIBRATION_ROUNDS
