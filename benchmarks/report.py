@@ -1,0 +1,250 @@
+"""The figures of benchmarks/README.md, generated from benchmarks/results/*.json.
+
+    python -m benchmarks.report            rewrite the generated blocks
+    python -m benchmarks.report --check    exit 1 when a block is not what the results say
+
+A block sits between `<!-- generated: NAME -->` and `<!-- end generated -->`; NAME is a key of
+BLOCKS. Text outside the blocks (how each benchmark runs, the reading of its figures) is kept."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import textwrap
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BLOCK = re.compile(r"(<!-- generated: (\S+) -->\n)(.*?)(<!-- end generated -->)", re.DOTALL)
+CLASSES = ("code", "prose", "chat")
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    lines = [header, ["---"] * len(header), *rows]
+    return "\n".join("| " + " | ".join(cells) + " |" for cells in lines) + "\n"
+
+
+def para(text: str) -> str:
+    return textwrap.fill(text, 100, break_on_hyphens=False) + "\n"
+
+
+def load(results: Path, name: str) -> dict:
+    return json.loads((results / f"{name}.json").read_text())
+
+
+# -- specd against llama-server (specd bench --llama-server) ------------------------------------
+
+def _configs(run: dict) -> list[tuple[str, str, bool]]:
+    """(key, label, with TTFT) of each configuration, in the table's order."""
+    fixed = [(f"K={k}", f"specd K = {k}", False) for k in run["settings"]["ks"]]
+    return [("plain", "specd plain (speculation off)", True), *fixed, ("adaptive", "specd adaptive", True),
+            ("llama_plain", "llama-server plain", True), ("llama_spec", "llama-server speculative", False)]
+
+
+def _cell(config: dict, ttft: bool) -> str:
+    return f"{config['tokens_per_s']:.1f}" + (f" ({config['ttft_s']:.2f})" if ttft else "")
+
+
+def _lossless(run: dict) -> str:
+    lossless = run["lossless"]
+    checked, wrong = lossless["checked"], len(lossless["mismatches"])
+    specd = (f"specd's {checked} outputs all equal its own plain decoding" if not wrong
+             else f"{wrong} of specd's {checked} outputs differ from its own plain decoding")
+    same = lossless["llama_spec_equals_its_plain"]
+    differ = [prompt for prompt, equal in same.items() if not equal]
+    return para(f"{specd}; llama-server's speculative text differed from its own plain text on "
+                f"{len(differ)} of {len(same)} prompts ({', '.join(differ) or 'none'}).")
+
+
+def _rss(run: dict) -> str:
+    rss = run["rss_gb"]
+    total = rss["draft"] + rss["target"] + rss["coordinator"]
+    return para(f"Memory (RSS): specd {total:.2f} GB (draft {rss['draft']:.2f}, target {rss['target']:.2f}, "
+                f"coordinator {rss['coordinator']:.2f}); llama-server {rss['llama_plain']:.2f} plain, "
+                f"{rss['llama_spec']:.2f} speculative.")
+
+
+def _concurrency(run: dict) -> str:
+    c = run.get("concurrency")
+    if not c:
+        return ""
+    return para(f"{c['sessions']} concurrent sessions × {run['settings']['tokens']} tokens: specd "
+                f"{c['concurrent_tokens_per_s']:.1f} tok/s aggregate ({c['ratio']:.2f}× its sequential "
+                f"{c['sequential_tokens_per_s']:.1f}) against `llama-server -np {c['sessions']}` "
+                f"{c['llama_concurrent_tokens_per_s']:.1f} tok/s.")
+
+
+def llama(name: str) -> Callable[[Path], str]:
+    def render(results: Path) -> str:
+        run = load(results, name)
+        prompts = list(run["settings"]["prompts"].values())
+        counts = ", ".join(f"{prompts.count(c)} {c}" for c in CLASSES)
+        classes = run["classes"]
+        rows = [[label, *(_cell(classes[c]["configs"][key], ttft) for c in CLASSES)]
+                for key, label, ttft in _configs(run)]
+        alphas = [f"{classes[c]['configs']['adaptive']['alpha']:.2f}" for c in CLASSES]
+        rows.append(["acceptance α (adaptive)", *alphas])
+        head = para(f"`results/{name}.json`: prompts {counts}; {run['settings']['tokens']} new tokens; "
+                    f"every configuration {run['settings']['repeats']}×; {run['duration_s'] / 60:.1f} min.") + "\n"
+        parts = [table(["tok/s (TTFT s)", *CLASSES], rows), _concurrency(run), _lossless(run), _rss(run)]
+        return head + "\n".join(part for part in parts if part)
+    return render
+
+
+# -- goals ---------------------------------------------------------------------------------------
+
+def _value(goal: str, measured: float) -> str:
+    if "GB" in goal:
+        return f"{measured:.2f} GB"
+    if "%" in goal:
+        return f"{measured * 100:.0f} %"
+    if "theoretical" in goal:
+        return f"{measured:.2f}"
+    return f"{measured:.2f}×"
+
+
+def _grouped(goals: list[dict]) -> dict[str, dict[str, tuple[str, str, bool]]]:
+    """Goal rows by name: per class (or "" for a goal of the whole run), its bound, value and verdict."""
+    rows: dict[str, dict[str, tuple[str, str, bool]]] = {}
+    for goal in goals:
+        text = goal["goal"]
+        scope, _, rest = text.partition(": ") if text.split(":")[0] in CLASSES else ("", "", text)
+        what, _, bound = rest.partition(" ≥ ")
+        rows.setdefault(what, {})[scope] = (bound, _value(text, goal["measured"]), goal["met"])
+    return rows
+
+
+def _label(what: str, by_scope: dict[str, tuple[str, str, bool]]) -> str:
+    if "" in by_scope:
+        bound = by_scope[""][0]
+        return what + (f" ≥ {bound}" if bound else "")
+    bounds = [f"{scope} ≥ {by_scope[scope][0]}" for scope in CLASSES if by_scope[scope][0]]
+    return what + (": " + ", ".join(bounds) if bounds else ", every class")
+
+
+def _verdict(verdicts: list[bool | None]) -> str:
+    ran = [v for v in verdicts if v is not None]
+    if all(ran):
+        return "yes"
+    if not any(ran):
+        return "no"
+    return "reference only" if verdicts[0] else "held-out only"
+
+
+def goals(results: Path) -> str:
+    runs = [load(results, "bench_q4_llama"), load(results, "bench_q4_llama_heldout")]
+    grouped = [_grouped(run["goals"]) for run in runs]
+    rows = []
+    for what, by_scope in grouped[0].items():
+        cells, verdicts = [], []
+        for g in grouped:
+            scopes = g.get(what)
+            order = [""] if scopes and "" in scopes else list(CLASSES)
+            cells.append(" / ".join(scopes[s][1] for s in order) if scopes else "(not run)")
+            verdicts.append(all(scopes[s][2] for s in order) if scopes else None)
+        rows.append([_label(what, by_scope), *cells, _verdict(verdicts)])
+    lossless = [run["lossless"] for run in runs]
+    rows.append(["lossless: every specd output equals its own plain decoding",
+                 *(f"{x['checked'] - len(x['mismatches'])} of {x['checked']}" for x in lossless),
+                 _verdict([not x["mismatches"] for x in lossless])])
+    return table(["goal", "reference prompts", "held-out prompts", "met"], rows)
+
+
+# -- the other benchmarks -------------------------------------------------------------------------
+
+def rows_q4(results: Path) -> str:
+    runs = [load(results, "rows_q4"), load(results, "rows_q4_draft")]
+    counts = list(runs[0]["unpadded_s"])
+    body = [[f"{run['model']} ms", *(f"{run['unpadded_s'][n] * 1e3:.1f}" for n in counts)] for run in runs]
+    head = (f"One pass of a session holding {runs[0]['context']} tokens, by rows fed ({runs[0]['quantize']}, "
+            f"{runs[0]['threads']} threads, median of {runs[0]['repeats']}):\n\n")
+    return head + table(["rows", *counts], body)
+
+
+def chaos(results: Path) -> str:
+    run = load(results, "chaos")
+    config, kills = run["config"], run["kills"]
+    totals = [sample["total_mb"] / 1e3 for sample in run["rss"]]
+    errors = "; ".join(f'{n} × {code} ("{run["error_examples"][code]}")' for code, n in run["errors"].items())
+    body = [
+        ["setup", f"{config['pools']}; {config['clients']} clients, {config['turns_per_session']} turns of "
+                  f"{config['tokens_per_turn']} tokens; {config['minutes']:.0f} min"],
+        ["kills", ", ".join(f"{k['victim']} at {k['at_s']:.0f} s" for k in kills)],
+        ["turns", f"{run['turns']} ({run['completed']} completed, {run['resumed_after_a_failure']} cut and resumed "
+                  f"from the session, {run['sent_again_nothing_committed']} sent again)"],
+        ["tokens checked against the target alone", f"{run['tokens_checked']:,}".replace(",", " ")
+         + f": {run['outputs_differing']} differ"],
+        ["sessions whose committed tokens disagree with what the client saw", str(len(run["inconsistent_sessions"]))],
+        ["errors", (errors or "none") + ("; all retryable" if run["only_retryable_errors"] else "")],
+        ["RSS, all processes", f"{min(totals):.2f}–{max(totals):.2f} GB ({totals[0]:.2f} at the start, "
+                               f"{totals[-1]:.2f} at the end)"],
+    ]
+    return table(["what", "result"], body)
+
+
+def _fallback_rows(kind: str, prompts: list[dict], overall: float) -> list[list[str]]:
+    body = []
+    for prompt in prompts:
+        adaptive = [r for r in prompt["runs"] if r["label"] == "adaptive"]
+        rounds = ", ".join(str(r["drafting_rounds"]) for r in adaptive)
+        body.append([f"{kind}, {prompt['prompt']}", f"{prompt['ratio_vs_plain']:.2f}", rounds,
+                     str(sum(r["fallbacks"] for r in adaptive))])
+    return body + [[f"{kind}, all together", f"{overall:.2f}", "", ""]]
+
+
+def fallback(results: Path) -> str:
+    run = load(results, "fallback")
+    body = (_fallback_rows("useless draft", run["useless_draft"], run["useless_draft_overall_ratio"])
+            + _fallback_rows("real pair", run["real_pair_code"], run["real_pair_code_overall_ratio"]))
+    head = f"{run['tokens']} tokens per request; each prompt {run['repeats']}× plain, {run['repeats']}× adaptive:\n\n"
+    return head + table(["configuration", "ratio vs plain", "drafting rounds (adaptive runs)", "fallbacks"], body)
+
+
+def pipeline(results: Path) -> str:
+    run = load(results, "pipeline")
+    body = [[c["threads"], c["pipeline"], f"{c['tokens_per_s']:.2f}", f"{c['vs_synchronous_shared']:.2f}",
+             f"{c['reused']} of {c['drafted']}" if c["pipeline"] != "off" else "—"] for c in run["configs"]]
+    head = f"{run['tokens']} tokens per request, {run['rtt_ms']:g} ms injected round trip:\n\n"
+    header = ["threads", "pipeline", "tok/s", "vs synchronous, shared threads", "drafts reused (of drafted)"]
+    return head + table(header, body)
+
+
+BLOCKS: dict[str, Callable[[Path], str]] = {
+    "bench_q4_llama": llama("bench_q4_llama"),
+    "bench_q4_llama_heldout": llama("bench_q4_llama_heldout"),
+    "goals": goals,
+    "rows_q4": rows_q4,
+    "chaos": chaos,
+    "fallback": fallback,
+    "pipeline": pipeline,
+}
+
+
+def update(text: str, results: Path) -> str:
+    """`text` with every generated block rendered again from `results`."""
+    names, known = {m.group(2) for m in BLOCK.finditer(text)}, set(BLOCKS)
+    if names != known:
+        raise ValueError(f"generated blocks: missing {sorted(known - names)}, unknown {sorted(names - known)}")
+    return BLOCK.sub(lambda m: m.group(1) + BLOCKS[m.group(2)](results) + m.group(4), text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.report", description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 when the README's blocks are stale")
+    parser.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results", help="the results files")
+    parser.add_argument("--readme", type=Path, default=ROOT / "benchmarks" / "README.md", help="the file to rewrite")
+    args = parser.parse_args(argv)
+    text = args.readme.read_text()
+    fresh = update(text, args.results)
+    if args.check and fresh != text:
+        print(f"{args.readme} is stale: run `python -m benchmarks.report`", file=sys.stderr)
+        return 1
+    if not args.check:
+        args.readme.write_text(fresh)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
