@@ -31,10 +31,7 @@ def programs() -> list[tuple[str, Callable[[], argparse.ArgumentParser]]]:
     from services.target.__main__ import DEFAULT_PORT as TARGET_PORT
 
     def command(name: str) -> Callable[[], argparse.ArgumentParser]:
-        def build() -> argparse.ArgumentParser:
-            parser = cli.build_parser()
-            return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[name]
-        return build
+        return lambda: cli.subcommand(cli.build_parser(), name)
 
     return [
         ("python -m services.coordinator", root.build_parser),

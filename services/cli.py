@@ -135,9 +135,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def subcommand(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    """The parser of `specd <name>` (argparse keeps subparsers among its private actions)."""
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return commands.choices[name]
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
-    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     args, passed = parser.parse_known_args(argv)
     if passed and args.command != "bench":
         parser.error(f"unrecognized arguments: {' '.join(passed)}")
@@ -145,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
         try:
             settings.check_quantize(role, getattr(args, f"{role}_quantize"))
         except ValueError as error:
-            commands.choices[args.command].error(str(error))
+            subcommand(parser, args.command).error(str(error))
     args.passed = passed
     sys.exit(args.run(args))
 
@@ -215,14 +220,20 @@ def cmd_up(args: argparse.Namespace) -> int:
         run_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="specd-")))
         # Both model services open this file and take turns at the cores by locking it (services/common/worker.py).
         cores_lock = run_dir / "cores.lock" if args.core_turns == "on" else None
-        tls_dir = None
-        if args.service_tls == "on" and args.tls_dir:
-            tls_dir = args.tls_dir
-        elif args.service_tls == "on":
+        tls_dir = tls_dir_of(args, run_dir)
+        if tls_dir == run_dir / "tls":
             from services.common import certs
 
-            certs.make(tls_dir := run_dir / "tls", days=7)
+            certs.make(tls_dir, days=7)
         return _run_services(args, paths, redis_url, cores_lock, tls_dir)
+
+
+def tls_dir_of(args: argparse.Namespace, run_dir: Path) -> Path | None:
+    """The model services' certificates under `specd up`: none with --service-tls off, the set
+    --tls-dir names, else one made for this run in its directory."""
+    if args.service_tls == "off":
+        return None
+    return args.tls_dir or run_dir / "tls"
 
 
 def _local_redis() -> LocalRedis:

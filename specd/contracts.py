@@ -21,7 +21,8 @@ from typing import Sequence
 from specd.policy import PolicyConfig
 from specd.validation import validate_that
 
-MAX_SESSION_ID = 160  # characters: a client's 128 and its key's scope (services/coordinator/frontend.py)
+MAX_CLIENT_ID = 128  # characters of a session or request id as a client names it
+MAX_SESSION_ID = MAX_CLIENT_ID + 32  # and its key's scope before it (services/coordinator/frontend.py)
 MAX_K = 32  # draft tokens per round a model service accepts
 MAX_TOP_K = 1 << 20
 GREEDY_BELOW = 1e-5  # a temperature below this decodes greedily, as in vLLM: logits / 1e-300 overflow

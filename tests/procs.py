@@ -112,9 +112,8 @@ def up_commands(monkeypatch, *argv: str) -> dict[str, list[str]]:
     monkeypatch.setattr(cli, "cmd_up", lambda args: parsed.append(args) or 0)
     with pytest.raises(SystemExit):
         cli.main(["up", *argv])
-    args = parsed[0]  # cmd_up makes a set in its run directory unless --tls-dir names one
-    tls_dir = (args.tls_dir or Path("tls")) if args.service_tls == "on" else None
-    return cli._commands(args, {"draft": Path("d"), "target": Path("t")}, None, tls_dir)
+    args = parsed[0]
+    return cli._commands(args, {"draft": Path("d"), "target": Path("t")}, None, cli.tls_dir_of(args, Path(".")))
 
 
 def value(command: list[str], flag: str) -> str:

@@ -6,6 +6,7 @@ only its binary is used, never its embedded-server API, so what runs is plain Re
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import shutil
 import socket
@@ -104,5 +105,9 @@ class LocalRedis(LocalProcess):
         return subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def ready(self) -> bool:
-        tls = ssl.create_default_context(cafile=str(self.tls_dir / "ca.pem")) if self.tls_dir else None
-        return answers_ping(self.port, self.password, tls)
+        return answers_ping(self.port, self.password, self._client_tls)
+
+    @functools.cached_property
+    def _client_tls(self) -> ssl.SSLContext | None:
+        """Made once: the readiness poll runs every few milliseconds while the server starts."""
+        return ssl.create_default_context(cafile=str(self.tls_dir / "ca.pem")) if self.tls_dir else None

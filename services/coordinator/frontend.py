@@ -95,7 +95,7 @@ class Frontend:
     ) -> AsyncIterator[Chunk | Finished]:
         stored = scoped(session_id, owner) if session_id else ""
         if session_id:
-            held = await self._owned_or_absent(session_id, owner)
+            held = await self._owned_or_absent(stored, session_id, owner)
             total = held + len(request.prompt) + request.rules.max_tokens
             validate_that(total <= self.model.max_context,
                           f"session {session_id!r} holds {held} tokens: with this prompt ({len(request.prompt)}) and "
@@ -161,9 +161,9 @@ class Frontend:
         answers = await self.services.verifier.engines()
         return [a if isinstance(a, EngineInfo) else _why(a) for a in answers]
 
-    async def _owned_or_absent(self, session_id: str, owner: str) -> int:
+    async def _owned_or_absent(self, stored: str, session_id: str, owner: str) -> int:
         """The tokens the session holds (0: a new one); not found if another key owns it."""
-        state = await self.services.store.get(scoped(session_id, owner))
+        state = await self.services.store.get(stored)
         if state is not None and state.owner != owner:
             raise SessionNotFound(f"no session {session_id!r} (released, expired, or not yours)")
         return len(state.tokens) if state else 0

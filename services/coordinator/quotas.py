@@ -96,8 +96,10 @@ class Quotas:
         self._admit = client.register_script(ADMIT_LUA)
 
     def _keys(self, owner: str, window: int) -> list[str]:
-        base = f"{self._prefix}:quota:{{{owner_tag(owner)}}}"  # one hash slot per key (Redis Cluster)
-        return [f"{base}:in-flight", f"{base}:tokens:{window}", f"{base}:sessions"]
+        return [self._key(owner, "in-flight"), self._key(owner, f"tokens:{window}"), self._key(owner, "sessions")]
+
+    def _key(self, owner: str, name: str) -> str:
+        return f"{self._prefix}:quota:{{{owner_tag(owner)}}}:{name}"  # one hash slot per key (Redis Cluster)
 
     @contextlib.asynccontextmanager
     async def admit(self, owner: str, prompt_tokens: int, max_tokens: int, session_id: str = "") -> AsyncIterator[Ticket]:
@@ -144,7 +146,7 @@ class Quotas:
 
     async def forget_session(self, owner: str, session_id: str) -> None:
         if owner:
-            await self._redis.zrem(self._keys(owner, 0)[2], session_id)
+            await self._redis.zrem(self._key(owner, "sessions"), session_id)
 
 
 def _refusal(why: int, limits: QuotaLimits) -> str:

@@ -8,7 +8,7 @@ import re
 import secrets
 from dataclasses import dataclass
 
-from specd.contracts import SamplingParams
+from specd.contracts import MAX_CLIENT_ID, SamplingParams
 from specd.loop import GenerationRequest
 from specd.policy import PolicyConfig
 from specd.stopping import StopRules
@@ -53,11 +53,12 @@ class ClientRequest:
     request_id: str = ""  # names a session's turn: a retry with it does not append the prompt again
 
 
-SESSION_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")  # session and request ids alike
+SESSION_ID = re.compile(rf"[A-Za-z0-9._:-]{{1,{MAX_CLIENT_ID}}}")  # session and request ids alike
 
 
 def session_id(value: str, name: str = "session_id") -> str:
-    validate_that(SESSION_ID.fullmatch(value) is not None, f"{name} must be 1..128 of A-Z a-z 0-9 . _ : -")
+    validate_that(SESSION_ID.fullmatch(value) is not None,
+                  f"{name} must be 1..{MAX_CLIENT_ID} of A-Z a-z 0-9 . _ : -")
     return value
 
 
