@@ -227,7 +227,7 @@ async def _open_turn(
     if replayed is not None:
         return state, stored, replayed
     turn = Turn(request_id, stored, request_digest(request)) if request_id else None
-    return replace(state, tokens=state.tokens + request.prompt, requests=state.requests + 1, turn=turn), stored, ()
+    return replace(state, tokens=(*state.tokens, *request.prompt), requests=state.requests + 1, turn=turn), stored, ()
 
 
 async def _draft(turn: _Turn, state: SessionState, k: int) -> tuple[_Called | None, bool]:

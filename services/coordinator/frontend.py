@@ -86,9 +86,11 @@ class Frontend:
     ) -> AsyncIterator[Chunk | Finished]:
         """Run a request; with a session id it continues (or starts) that session, else a one-off.
         `request_id` names a session's turn: sent again, the turn is not appended twice (specd.loop)."""
+        # aclosing: a consumer that leaves closes this generator, and the inner one must close now too.
         with translated():
-            async for event in self._generate(request, session_id, owner, request_id):
-                yield event
+            async with contextlib.aclosing(self._generate(request, session_id, owner, request_id)) as events:
+                async for event in events:
+                    yield event
 
     async def _generate(
         self, request: GenerationRequest, session_id: str, owner: str, request_id: str

@@ -78,8 +78,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[Chunk | Finished]:
         set_request_deadline(context.time_remaining())
-        async with _statuses(context, request.session_id):
-            async for event in self.frontend.generate(generation, request.session_id, owner, request.request_id):
+        events = self.frontend.generate(generation, request.session_id, owner, request.request_id)
+        async with _statuses(context, request.session_id), contextlib.aclosing(events):
+            async for event in events:
                 yield event
 
 
