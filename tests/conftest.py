@@ -72,6 +72,17 @@ def procs():
         s.stop()
 
 
+# Fixtures that need a tool only the full run installs: a test using one must be `slow`, so the
+# fast loop (`scripts/test --fast`) runs on a machine with nothing but the venv.
+FULL_RUN_FIXTURES = {"tls_redis_binary"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if FULL_RUN_FIXTURES & set(item.fixturenames) and item.get_closest_marker("slow") is None:
+            raise pytest.UsageError(f"{item.nodeid} uses {FULL_RUN_FIXTURES & set(item.fixturenames)}: mark it slow")
+
+
 @pytest.fixture(scope="session")
 def tls_redis_binary(tmp_path_factory) -> str:
     """A redis-server built with TLS: Debian's redis-tools ships the server as redis-check-rdb, which

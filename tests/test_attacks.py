@@ -16,6 +16,8 @@ from services.common.tls import CA_FILE, TlsFiles, channel_options
 from services.protogen.specd.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from tests.procs import coordinator, tls_model_service
 
+pytestmark = pytest.mark.slow  # a TLS-built Redis (redis-tools) and a full deployment
+
 KEYS = {"alice": "alice-key-0123456789abcdef", "mallory": "mallory-key-0123456789abcd"}
 MAX_SESSIONS = 3
 N = 8

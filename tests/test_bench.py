@@ -10,6 +10,8 @@ import pytest
 from benchmarks import bench, common
 from benchmarks.bench import ADAPTIVE, HF_ASSISTED, LLAMA_PLAIN, LLAMA_SPEC, PLAIN, BenchConfig, Measured, mismatches
 
+pytestmark = pytest.mark.slow  # whole benchmark runs through specd up
+
 FAKE_LLAMA_SERVER = Path(__file__).parent / "data" / "fake_llama_server.py"
 
 

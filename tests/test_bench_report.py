@@ -18,7 +18,7 @@ SHOWN = [
     ("rows_q4_draft", ["unpadded_s", "4"]),
     ("chaos", ["tokens_checked"]),
     ("fallback", ["real_pair_code_overall_ratio"]),
-    ("pipeline", ["configs", 1, "tokens_per_s"]),
+    ("ab21_conf_0", ["classes", "prose", "configs", "adaptive", "tokens_per_s"]),
 ]
 
 

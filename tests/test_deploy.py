@@ -20,6 +20,8 @@ import yaml
 
 from services.common import discovery
 
+pytestmark = pytest.mark.slow  # checkov, docker-compose and kubectl, which scripts/test installs
+
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 OVERLAYS = sorted(p.name for p in (ROOT / "k8s" / "overlays").iterdir() if p.is_dir())

@@ -18,6 +18,8 @@ from specd.engine import EngineConfig, ModelEngine
 from specd.sampling import SamplingParams, warp
 from tests.engines import propose, verify_proposal
 
+pytestmark = pytest.mark.slow  # thousands of sampled rounds per case (~3 min)
+
 PARAMS = dict(temperature=1.0, top_k=6, top_p=1.0)
 N_SAMPLES = 2500
 K = 3

@@ -5,10 +5,13 @@ whole turn as the target alone would have written it."""
 from __future__ import annotations
 
 import grpc
+import pytest
 
 from services.common.redis_server import LocalRedis
 from services.protogen.specd.v1 import coordinator_pb2
 from tests.procs import coordinator, model_service, stub
+
+pytestmark = pytest.mark.slow  # a coordinator killed mid-turn
 
 N = 300  # long enough that the kill lands mid-turn
 

@@ -21,6 +21,8 @@ from services.common.replicas import REFRESH_S
 from services.protogen.specd.v1 import common_pb2, coordinator_pb2, target_pb2, target_pb2_grpc
 from tests.procs import ServiceProcess, coordinator, model_service, stub
 
+pytestmark = pytest.mark.slow  # replica processes stopped and killed
+
 PORT = 51753
 TARGET_HOSTS = ["127.0.0.11", "127.0.0.12", "127.0.0.13"]
 NEW_TARGET_HOST = "127.0.0.14"

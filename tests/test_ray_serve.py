@@ -15,6 +15,8 @@ import pytest
 from services.common.redis_server import free_port
 from tests.conftest import greedy_reference
 
+pytestmark = pytest.mark.slow  # a local Ray cluster
+
 PROMPTS = ["def add(a, b):", "Once upon a time"]
 N_TOKENS = 16
 

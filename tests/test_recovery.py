@@ -17,6 +17,8 @@ from services.common.redis_server import LocalRedis
 from services.protogen.specd.v1 import common_pb2, coordinator_pb2, draft_pb2_grpc, target_pb2_grpc
 from tests.procs import ServiceProcess, coordinator, model_service, stub
 
+pytestmark = pytest.mark.slow  # processes killed with SIGKILL and restarted
+
 N_TOKENS = 240
 
 

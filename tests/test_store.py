@@ -313,6 +313,7 @@ def test_racing_owners_cannot_share_a_session(server):
     assert isinstance(bob, Finished) and bobs.owner == "bob" and bobs.tokens == (9, 9, *bob.token_ids)
 
 
+@pytest.mark.slow  # a TLS-built Redis (redis-tools)
 def test_a_redis_over_tls_serves_sessions_and_refuses_plaintext_and_strangers(tmp_path, tls_redis_binary):
     from services.common import certs
 

@@ -33,6 +33,8 @@ from tests.fakes import FakeDrafter, FakeStore, FakeVerifier, draft_rule, target
 from tests.procs import coordinator, model_service
 from tests.test_loop import decode, request
 
+pytestmark = pytest.mark.slow  # a Phoenix server in its own venv
+
 # --- the loop's spans, in memory --------------------------------------------------------------
 
 
