@@ -105,7 +105,7 @@ class FakeDrafter(FakeService):
         drafted = len(tokens) - position
         sibling = self.runner_up(tokens[:position]) if self.runner_up and drafted and request.params.greedy else None
         proposal = Proposal(tuple(tokens[position:]), (), None if drafted and sibling == tokens[position] else sibling)
-        return DraftReply(proposal, position, self.instance_id, self.compute_s * drafted, 0, await self._wait())
+        return DraftReply(proposal, position, self.instance_id, self.compute_s * drafted, await self._wait())
 
     async def probe(self) -> bool:
         self.probes += 1
