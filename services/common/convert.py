@@ -66,8 +66,3 @@ def dists_from_proto(rows) -> tuple[SparseDist, ...]:
 
 def dists_to_proto(rows: tuple[SparseDist, ...]) -> list[common_pb2.SparseDist]:
     return [common_pb2.SparseDist(token_ids=row.token_ids, probs=row.probs) for row in rows]
-
-
-def optional(msg, field: str) -> int | None:
-    """A proto3 `optional` scalar: its value when set, else None."""
-    return getattr(msg, field) if msg.HasField(field) else None

@@ -30,7 +30,6 @@ class Limits:
     max_stop_chars: int = 128
     row_blocks: tuple[int, ...] | None = ()  # row counts the target pads verifications to (specd.policy); None: ask it
     min_confidence: float = PolicyConfig.min_confidence  # adaptive K's confidence stop
-    siblings: bool = True  # greedy rounds send the draft's runner-up for the target's spare rows
 
 
 @dataclass(frozen=True)
@@ -96,7 +95,7 @@ def policy_config(limits: Limits, max_k: int) -> PolicyConfig:
     """The policy of a request that may draft up to max_k (at most the server's)."""
     return PolicyConfig(
         max_k=max_k, default_k=min(limits.default_k, max_k), row_blocks=limits.row_blocks or (),
-        min_confidence=limits.min_confidence, siblings=limits.siblings,
+        min_confidence=limits.min_confidence,
     )
 
 

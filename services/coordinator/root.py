@@ -96,9 +96,6 @@ def build_parser() -> argparse.ArgumentParser:
                       "target (what the target reports at start-up), none (as fed), or a list like 1,2,4,8,16")
     settings.add(parser, "--draft-confidence", type=confidence, default=Limits.min_confidence,
                  help="adaptive K: the draft stops after a token it gave a probability below this (0: off)")
-    settings.add(parser, "--siblings", default="on", choices=("on", "off"),
-                 help="greedy rounds send the draft's runner-up for the first position, which the target scores "
-                      "in rows its pass pads to anyway (off: never)")
     settings.add(parser, "--calibrate", default="on", choices=("on", "off"),
                  help="a deployment with no learnt policy yet times one round per row block at start, so its first "
                       "sessions need not explore K; health answers SERVING after it (off: they explore)")
@@ -152,7 +149,7 @@ def build(args: argparse.Namespace, drafter: Drafter, verifier: Verifier) -> Fro
     """The frontend over these model-service clients, as the settings say."""
     limits = Limits(
         default_k=args.default_k, max_k=args.max_k, row_blocks=_row_blocks(args),
-        min_confidence=args.draft_confidence, siblings=args.siblings == "on",
+        min_confidence=args.draft_confidence,
     )
     if args.inject_rtt_ms:
         rtt_s = args.inject_rtt_ms / 1e3

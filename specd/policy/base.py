@@ -25,7 +25,6 @@ class PolicyConfig:
     row_blocks: tuple[int, ...] = ()  # row counts the target computes verifications at, ascending; () = as fed
     min_confidence: float = 0.4  # confidence stop: drafting ends after a draft with q(token) below this (0: off),
     # as transformers' assisted generation's default
-    siblings: bool = True  # greedy: send the draft's runner-up for the target's spare rows (specd/verify.py)
 
     def validate(self) -> None:
         validate_that(self.max_k >= 1, f"max_k must be >= 1, got {self.max_k}")
