@@ -152,7 +152,6 @@ class EngineInfo:
     quantize: str  # its setting: one of those, or auto
     invariant: bool  # passed the batch-invariance self-check on its host
     reason: str  # why this mode
-    row_blocks: tuple[int, ...] = ()  # row counts its passes run at (fewer rows padded up); (): as fed
 
 
 @dataclass(frozen=True)

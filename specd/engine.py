@@ -84,7 +84,7 @@ class ModelEngine:
         # auto off the CPU: the dense weights (the kernels chosen from are CPU kernels)
         requested = config.quantize if on_cpu else "none"
         self.numerics = numerics.choose((hf_config.intermediate_size, hf_config.hidden_size), requested)
-        self.model, self._q4, self._fused, self._pads_rows = None, None, None, False
+        self.model, self._q4, self._fused = None, None, None
         if self.numerics.mode == "q4":
             self._q4 = qwen2.Q4Qwen2(config.model_dir)
             generation = GenerationConfig.from_pretrained(config.model_dir)
@@ -107,7 +107,8 @@ class ModelEngine:
         model = model.to(config.device).eval()
         if self.numerics.mode == "int8":
             model = kernels.quantize_int8(model)
-        self._pads_rows = config.small_row_matmul and on_cpu and kernels.use_small_row_matmul(model) > 0
+        if config.small_row_matmul and on_cpu:
+            kernels.use_small_row_matmul(model)
         # the int8 draft's passes skip the module calls (specd/fused.py); same logits, a step ~25 % shorter
         self._fused = fused.FusedDraft(model) if config.fused_int8 and fused.supports(model) else None
         return model
@@ -219,11 +220,6 @@ class ModelEngine:
         for session, (_, extra) in zip(sessions, requests):
             session.tokens.extend(extra)
         return [rows.float().cpu() for rows in logits]  # each [len(extra) + 1, vocab]
-
-    @property
-    def row_blocks(self) -> tuple[int, ...]:
-        """Row counts a pass runs at, fewer rows padded up (the small-row path's blocks); (): as fed."""
-        return kernels.row_blocks(kernels.SMALL_ROWS) if self._pads_rows else ()
 
     def truncate(self, session_id: str, pos: int) -> None:
         """Drop tokens from `pos` on. Idempotent; pos >= length (or an unknown session) is a no-op."""

@@ -44,11 +44,6 @@ def padded_rows(rows: int) -> int:
     return rows if rows <= 8 else -(-rows // 8) * 8
 
 
-def row_blocks(max_rows: int) -> tuple[int, ...]:
-    """The row counts `padded_rows` runs 1..max_rows rows at: what a verification of K + 1 rows costs."""
-    return tuple(sorted({padded_rows(rows) for rows in range(1, max_rows + 1)}))
-
-
 def _row_major(x: torch.Tensor) -> torch.Tensor:
     """x as a contiguous [rows, features] matrix, zero rows added up to `padded_rows` (up to
     SMALL_ROWS rows). Row-major rows matter: the previous small-row linear hands on its output

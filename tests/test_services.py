@@ -17,7 +17,7 @@ import pytest
 from specd.loop import Chunk, GenerationRequest, RoundRecord, Services, generate
 from specd.sampling import SamplingParams
 from specd.stopping import StopRules
-from services.coordinator.root import _row_blocks, parse
+from services.coordinator.root import parse
 from services.coordinator.requests import Limits
 from services.coordinator.store import RedisSessionStore
 from services.draft.client import GrpcDrafter
@@ -334,14 +334,3 @@ def test_the_coordinator_validates_its_draft_confidence_setting(capsys):
         with pytest.raises(SystemExit):
             parse(base + ["--draft-confidence", bad])
         assert "draft confidence must be" in capsys.readouterr().err
-
-
-def test_the_coordinator_resolves_its_row_blocks_setting(capsys):
-    base = ["--model-dir", "m", "--redis-url", "redis://127.0.0.1:1/0"]
-    assert _row_blocks(parse(base)) is None  # the frontend asks the target at start-up
-    assert _row_blocks(parse(base + ["--verify-row-blocks", "none"])) == ()
-    assert _row_blocks(parse(base + ["--verify-row-blocks", "1,2,4,8"])) == (1, 2, 4, 8)
-    for bad in ("4,2", "0,1", "cpu", ""):
-        with pytest.raises(SystemExit):
-            parse(base + ["--verify-row-blocks", bad])
-        assert "row blocks must be" in capsys.readouterr().err

@@ -28,7 +28,6 @@ class Limits:
     max_prompt_chars: int = 64 * 1024
     max_stop_strings: int = 8
     max_stop_chars: int = 128
-    row_blocks: tuple[int, ...] | None = ()  # row counts the target pads verifications to (specd.policy); None: ask it
     min_confidence: float = PolicyConfig.min_confidence  # adaptive K's confidence stop
 
 
@@ -94,8 +93,7 @@ def generation_request(req: ClientRequest, model: ModelInfo, limits: Limits) -> 
 def policy_config(limits: Limits, max_k: int) -> PolicyConfig:
     """The policy of a request that may draft up to max_k (at most the server's)."""
     return PolicyConfig(
-        max_k=max_k, default_k=min(limits.default_k, max_k), row_blocks=limits.row_blocks or (),
-        min_confidence=limits.min_confidence,
+        max_k=max_k, default_k=min(limits.default_k, max_k), min_confidence=limits.min_confidence,
     )
 
 
