@@ -212,7 +212,7 @@ def hf_runs(cfg: BenchConfig, prompts: list[Prompt], draft_dir: Path, target_dir
 # --- through the services ------------------------------------------------------------------
 
 STAT_FIELDS = (
-    "rounds", "drafted_tokens", "accepted_tokens", "judged_tokens", "fallbacks", "sibling_tokens", "outage_rounds",
+    "rounds", "drafted_tokens", "accepted_tokens", "judged_tokens", "fallbacks", "outage_rounds",
     "draft_compute_s", "verify_compute_s", "round_wall_s",
 )
 
@@ -442,8 +442,7 @@ def _round_figures(runs: list[Measured], step_s: float) -> dict:
     return {
         "rounds": total["rounds"],
         "alpha": total["accepted_tokens"] / total["judged_tokens"] if total["judged_tokens"] else None,
-        "mean_acceptance_length": (total["accepted_tokens"] + total["rounds"] + total["sibling_tokens"]) / total["rounds"],
-        "sibling_tokens": total["sibling_tokens"],
+        "mean_acceptance_length": (total["accepted_tokens"] + total["rounds"]) / total["rounds"],
         "fallbacks": total["fallbacks"],
         "overhead_per_round_s": overhead,
         "overhead_fraction_of_target_step": overhead / step_s,
@@ -701,7 +700,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--core-turns", default="on", choices=("on", "off"),
                         help="the draft and target services take turns at the cores (specd up's default)")
     parser.add_argument("--draft-confidence", help="adaptive K's confidence stop (default: the coordinator's)")
-    parser.add_argument("--siblings", choices=("on", "off"), help="greedy siblings in spare rows (default: on)")
     parser.add_argument("--audit-rate", default="0", help="the coordinator's lossless audit (default 0 here: its "
                         "background re-decodes would share the cores with the requests being timed)")
     parser.add_argument("--target-quantize", help="the target's numerics: none | q4 | auto (default: specd up's)")
@@ -713,7 +711,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     up_flags = ("--core-turns", args.core_turns, "--audit-rate", args.audit_rate) + tuple(
         ("--draft-confidence", args.draft_confidence) if args.draft_confidence is not None else ()
-    ) + tuple(("--siblings", args.siblings) if args.siblings else ()) + tuple(
+    ) + tuple(
         arg for role in ("draft", "target") if getattr(args, f"{role}_quantize")
         for arg in (f"--{role}-quantize", getattr(args, f"{role}_quantize"))
     ) + tuple(

@@ -46,7 +46,7 @@ def holding_context(engine: ModelEngine) -> ModelEngine:
 def sweep(engine: ModelEngine, max_rows: int, repeats: int) -> dict[str, dict[int, float]]:
     as_is = kernels.padded_rows
     paths = {"unpadded_s": lambda rows: rows, "padded_s": as_is}
-    if not engine.row_blocks:  # it runs the rows it is fed
+    if not _pads(engine):
         del paths["padded_s"]
     times: dict[str, dict[int, list[float]]] = {path: {r: [] for r in range(1, max_rows + 1)} for path in paths}
     try:
@@ -58,6 +58,11 @@ def sweep(engine: ModelEngine, max_rows: int, repeats: int) -> dict[str, dict[in
     finally:
         kernels.padded_rows = as_is
     return {path: {r: round(statistics.median(ts), 4) for r, ts in by_rows.items()} for path, by_rows in times.items()}
+
+
+def _pads(engine: ModelEngine) -> bool:
+    """The dense float32 engine's small-row linears pad rows to blocks; q4 runs the rows it is fed."""
+    return engine.numerics.mode == "none"
 
 
 def main() -> None:
@@ -73,7 +78,7 @@ def main() -> None:
     result = {
         "benchmark": "rows", "model": args.role, "dtype": "float32", "quantize": args.quantize,
         "threads": args.threads, "context": CONTEXT, "repeats": args.repeats, "machine": machine(),
-        "padding": {r: kernels.padded_rows(r) if engine.row_blocks else r for r in range(1, args.max_rows + 1)},
+        "padding": {r: kernels.padded_rows(r) if _pads(engine) else r for r in range(1, args.max_rows + 1)},
         **sweep(engine, args.max_rows, args.repeats),
     }
     print(result)

@@ -80,8 +80,6 @@ def build_parser() -> argparse.ArgumentParser:
     settings.add(up, "--default-k", type=int, default=PolicyConfig.default_k, help="draft tokens per round")
     settings.add(up, "--draft-confidence", help="adaptive K: the draft stops after a token it gave a probability "
                  "below this (0: off; default: the coordinator's)")
-    settings.add(up, "--siblings", choices=("on", "off"), help="greedy: the target scores the draft's runner-up in "
-                 "spare rows (default: the coordinator's, on)")
     settings.add(up, "--audit-rate", help="fraction of finished greedy requests the coordinator decodes again "
                  "plainly to check they were lossless (0: off; default: the coordinator's, 0.01)")
     settings.add(up, "--inject-rtt-ms", type=float, default=0.0, help="benchmarks: delay every model-service call")
@@ -289,8 +287,6 @@ def _commands(
         coordinator += ["--tls-dir", str(tls_dir)]
     if args.draft_confidence is not None:
         coordinator += ["--draft-confidence", args.draft_confidence]
-    if args.siblings is not None:
-        coordinator += ["--siblings", args.siblings]
     if args.audit_rate is not None:
         coordinator += ["--audit-rate", args.audit_rate]
     return commands | {"coordinator": coordinator}

@@ -1,5 +1,5 @@
-"""Start-up calibration: before a fresh deployment's first request, timed rounds for every row
-block on a scratch session, so its first sessions inherit measured timings instead of exploring
+"""Start-up calibration: before a fresh deployment's first request, timed rounds for every K on
+a scratch session, so its first sessions inherit measured timings instead of exploring
 K on a user's request (`specd.policy.calibrated`). Transport-free: it drives the loop over whatever
 `Services` it is given (gRPC clients, Ray handles, fakes)."""
 
@@ -38,7 +38,7 @@ async def calibrate(services: Services, decode: Decode, config: PolicyConfig) ->
         rounds = [await _one_round(services, decode, session_id, (), k, config) for k in ks]
     finally:
         await forget(session_id, services)
-    return calibrated(rounds, config)
+    return calibrated(rounds)
 
 
 async def _one_round(

@@ -77,20 +77,16 @@ class SparseDist:
 class Proposal:
     tokens: tuple[int, ...]  # [K] drafted tokens
     q: tuple[SparseDist, ...]  # [K] rows the drafts were sampled from; empty when greedy
-    sibling: int | None = None  # greedy: the draft's second choice for the first position
 
 
 @dataclass(frozen=True)
 class Verdict:
     num_accepted: int  # accepted draft tokens, 0..K
     next_token: int  # recovered token (num_accepted < K) or bonus token (num_accepted == K)
-    after_sibling: int | None = None  # the recovered token was the scored sibling: the target's token after it
 
     def committed(self, draft_tokens: Sequence[int]) -> tuple[int, ...]:
-        """The tokens the round commits: the accepted drafts, then the recovered/bonus token (and
-        the token after a recovered sibling)."""
-        tail = (self.next_token,) if self.after_sibling is None else (self.next_token, self.after_sibling)
-        return tuple(draft_tokens[: self.num_accepted]) + tail
+        """The tokens the round commits: the accepted drafts, then the recovered/bonus token."""
+        return tuple(draft_tokens[: self.num_accepted]) + (self.next_token,)
 
 
 @dataclass(frozen=True)
@@ -157,7 +153,6 @@ class EngineInfo:
     quantize: str  # its setting: one of those, or auto
     invariant: bool  # passed the batch-invariance self-check on its host
     reason: str  # why this mode
-    row_blocks: tuple[int, ...] = ()  # row counts its passes run at (fewer rows padded up); (): as fed
 
 
 @dataclass(frozen=True)

@@ -60,7 +60,6 @@ class DraftEngine(RoleEngine):
              for r, n in zip(requests, starts)]
         tokens: list[list[int]] = [[] for _ in requests]
         rows: list[list[SparseDist]] = [[] for _ in requests]
-        siblings: list[int | None] = [None for _ in requests]
         drafting = [j for j, r in enumerate(requests) if r.k > 0]
         while drafting:
             logits = engine.forward_many([(requests[j].session_id, tokens[j][-1:]) for j in drafting], newest_only=True)
@@ -68,8 +67,6 @@ class DraftEngine(RoleEngine):
             for j, last in zip(drafting, logits):  # last: [1, vocab], after the newest token
                 request, i = requests[j], len(tokens[j])
                 token, row, q_token = self._next_draft(request, last, u[j][i] if u[j] else 0.0)
-                if i == 0 and request.params.greedy:
-                    siblings[j] = _runner_up(last[0], token)
                 tokens[j].append(token)
                 if row is not None:
                     rows[j].append(row)
@@ -80,7 +77,7 @@ class DraftEngine(RoleEngine):
         for r, n, drafted in zip(requests, starts, tokens):
             if drafted:
                 engine.sync(r.session_id, n + len(drafted) - 1, drafted[-1:])
-        return [Proposal(tuple(t), tuple(r), sibling) for t, r, sibling in zip(tokens, rows, siblings)]
+        return [Proposal(tuple(t), tuple(r)) for t, r in zip(tokens, rows)]
 
     def _next_draft(
         self, request: ProposeRequest, last: torch.Tensor, u: float
@@ -94,13 +91,6 @@ class DraftEngine(RoleEngine):
         q = sparse.decode(row, self.engine.vocab_size)  # [vocab]
         token = sample(q, u)  # from the decoded row: exactly the q the target will verify against
         return token, row, float(q[token])
-
-
-def _runner_up(logits: torch.Tensor, token: int) -> int:
-    """The best token but `token` (logits: [vocab]). Not simply topk's second: on a tie at the top
-    topk may list the argmax second, and a sibling equal to its draft is refused."""
-    first, second = logits.topk(2).indices.tolist()
-    return second if first == token else first
 
 
 def _charged(replies: list[DraftReply | Exception], batch_s: float) -> list[DraftReply | Exception]:

@@ -84,7 +84,7 @@ class ModelEngine:
         # auto off the CPU: the dense weights (the kernels chosen from are CPU kernels)
         requested = config.quantize if on_cpu else "none"
         self.numerics = numerics.choose((hf_config.intermediate_size, hf_config.hidden_size), requested)
-        self.model, self._q4, self._fused, self._pads_rows = None, None, None, False
+        self.model, self._q4, self._fused = None, None, None
         if self.numerics.mode == "q4":
             self._q4 = qwen2.Q4Qwen2(config.model_dir)
             generation = GenerationConfig.from_pretrained(config.model_dir)
@@ -107,7 +107,8 @@ class ModelEngine:
         model = model.to(config.device).eval()
         if self.numerics.mode == "int8":
             model = kernels.quantize_int8(model)
-        self._pads_rows = config.small_row_matmul and on_cpu and kernels.use_small_row_matmul(model) > 0
+        if config.small_row_matmul and on_cpu:
+            kernels.use_small_row_matmul(model)
         # the int8 draft's passes skip the module calls (specd/fused.py); same logits, a step ~25 % shorter
         self._fused = fused.FusedDraft(model) if config.fused_int8 and fused.supports(model) else None
         return model
@@ -192,7 +193,6 @@ class ModelEngine:
         self,
         requests: Sequence[tuple[str, Sequence[int]]],
         newest_only: bool = False,
-        siblings: Sequence[int | None] = (),
     ) -> list[torch.Tensor]:
         """`forward(session_id, extra)` for several sessions in ONE model pass (specd/ragged.py).
 
@@ -201,57 +201,25 @@ class ModelEngine:
         one leaves all sessions untouched. newest_only: return only the last row ([1, vocab], after
         the newest token), so a session whose cache already holds every token feeds just `extra`
         (drafting one token at a time then feeds one row a step, not two).
-
-        siblings[i]: a token scored in place of extra[0] in one more row (`ragged.Branch`); its
-        logits come last ([len(extra) + 2, vocab]) and it joins neither the tokens nor the cache.
         """
         if not requests:
             return []
-        siblings = list(siblings) or [None] * len(requests)
-        if len(siblings) != len(requests):
-            raise ValueError("one sibling (or None) per request")
         session_ids = [session_id for session_id, _ in requests]
         if len(set(session_ids)) != len(session_ids):
             raise ValueError("a batch holds each session at most once")
-        for (session_id, extra), sibling in zip(requests, siblings):
+        for session_id, extra in requests:
             self.check_forward(session_id, extra)
-            if sibling is not None:
-                self.check_sibling(extra, sibling, newest_only)
         prepared = [self._prepare(session_id, extra, refeed=not newest_only) for session_id, extra in requests]
         sessions = [session for session, _ in prepared]
         keep = [1 if newest_only else len(extra) + 1 for _, extra in requests]
-        branches = [ragged.Branch(sibling, len(new) - len(extra)) if sibling is not None else None
-                    for (_, new), (_, extra), sibling in zip(prepared, requests, siblings)]
         try:
-            logits = self._ragged_forward([s.cache for s in sessions], [new for _, new in prepared], keep, branches)
+            logits = self._ragged_forward([s.cache for s in sessions], [new for _, new in prepared], keep)
         except BaseException:
             self._reset_caches(sessions)
             raise
         for session, (_, extra) in zip(sessions, requests):
             session.tokens.extend(extra)
-        return [rows.float().cpu() for rows in logits]  # each [len(extra) + 1 (+ 1 with a sibling), vocab]
-
-    @property
-    def row_blocks(self) -> tuple[int, ...]:
-        """Row counts a pass runs at, fewer rows padded up (the small-row path's blocks); (): as fed."""
-        return kernels.row_blocks(kernels.SMALL_ROWS) if self._pads_rows else ()
-
-    def spare_rows(self, requests: Sequence[tuple[str, Sequence[int]]]) -> int:
-        """Sibling rows a `forward_many(requests)` pass could add at about no cost: the small-row
-        path runs blocks of rows (`kernels.free_rows`), so rows up to the block are paid for anyway.
-        0 off that path (GPU, the fused draft), past its row limit, or with sliding-window layers
-        (a branch row attends to its whole prefix)."""
-        if not self._pads_rows or self.model is None or self.model.model.has_sliding_layers:
-            return 0
-        fed = sum(self._rows_to_feed(session_id, extra) for session_id, extra in requests)
-        return min(kernels.free_rows(fed), kernels.SMALL_ROWS - fed) if fed <= kernels.SMALL_ROWS else 0
-
-    def check_sibling(self, extra: Sequence[int], sibling: int, newest_only: bool = False) -> None:
-        """Raise what `forward_many` would refuse about a sibling beside `extra`."""
-        if not 0 <= sibling < self.vocab_size:
-            raise ValueError(f"the sibling must be a token id in [0, {self.vocab_size})")
-        if newest_only or not extra or sibling == extra[0]:
-            raise ValueError("a sibling stands beside the first of at least one new token, and differs from it")
+        return [rows.float().cpu() for rows in logits]  # each [len(extra) + 1, vocab]
 
     def truncate(self, session_id: str, pos: int) -> None:
         """Drop tokens from `pos` on. Idempotent; pos >= length (or an unknown session) is a no-op."""
@@ -268,17 +236,12 @@ class ModelEngine:
 
     # -- helpers ------------------------------------------------------------------------------
 
-    def _ragged_forward(self, caches, inputs, keep, branches) -> list[torch.Tensor]:
+    def _ragged_forward(self, caches, inputs, keep) -> list[torch.Tensor]:
         if self._q4 is not None:
-            return self._q4.forward(caches, inputs, keep, branches)
-        if self._fused is not None and not any(branches):
+            return self._q4.forward(caches, inputs, keep)
+        if self._fused is not None:
             return self._fused.forward(caches, inputs, keep)
-        return ragged.forward(self.model, caches, inputs, keep, branches)
-
-    def _rows_to_feed(self, session_id: str, extra: Sequence[int]) -> int:
-        """Rows `forward_many([(session_id, extra)])` would feed: the pending tokens, then extra."""
-        session = self._sessions[session_id]
-        return len(session.tokens) - _feed_from(session, extra, refeed=True) + len(extra)
+        return ragged.forward(self.model, caches, inputs, keep)
 
     def _touch(self, session_id: str, create: bool = False) -> _Session:
         """Return the session marked most recently used, creating it (maybe evicting) if asked."""

@@ -44,19 +44,6 @@ def padded_rows(rows: int) -> int:
     return rows if rows <= 8 else -(-rows // 8) * 8
 
 
-def free_rows(rows: int) -> int:
-    """Rows a pass of `rows` rows could add at about no cost: up to the block it is padded to, and
-    two rows up to four (a pass of 2, 3 padded to 4, or 4 rows costs the same: 0.44-0.48 s on the
-    real target, benchmarks/results/rows.json; one row stays one, 0.40 s)."""
-    block = 4 if 2 <= rows <= 4 else padded_rows(rows)
-    return block - rows
-
-
-def row_blocks(max_rows: int) -> tuple[int, ...]:
-    """The row counts `padded_rows` runs 1..max_rows rows at: what a verification of K + 1 rows costs."""
-    return tuple(sorted({padded_rows(rows) for rows in range(1, max_rows + 1)}))
-
-
 def _row_major(x: torch.Tensor) -> torch.Tensor:
     """x as a contiguous [rows, features] matrix, zero rows added up to `padded_rows` (up to
     SMALL_ROWS rows). Row-major rows matter: the previous small-row linear hands on its output

@@ -178,8 +178,6 @@ async def run_round(turn: _Turn, progress: _Progress) -> RoundResult:
         # 1. draft
         drafting, outage = await _draft(turn, state, k)
         proposal = drafting.reply.proposal if drafting else EMPTY_PROPOSAL
-        if not request.policy.siblings:
-            proposal = replace(proposal, sibling=None)
         k = len(proposal.tokens)  # a confidence stop may have drafted fewer
         # 2. verify
         verifying = await _call(state.target, state.tokens, lambda s: services.verifier.verify(
@@ -200,7 +198,7 @@ async def run_round(turn: _Turn, progress: _Progress) -> RoundResult:
         resyncs = sum(call.resynced for call in (drafting, verifying) if call)
         stats = progress.stats + SessionStats().record(
             k, a, policy.fallbacks - state.policy.fallbacks, resyncs, observation.draft_s, observation.verify_s,
-            sibling_tokens=int(verdict.after_sibling is not None), outage_rounds=int(outage),
+            outage_rounds=int(outage),
         )
         span.set_attributes(_round_attributes(progress.stats.rounds, observation, len(committed), policy.mode))
         state = replace(state, tokens=committed, draft=draft, target=target, policy=policy,

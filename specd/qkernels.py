@@ -168,7 +168,7 @@ class _Layer(ctypes.Structure):
 
 class _Row(ctypes.Structure):
     _fields_ = [("keys", ctypes.c_void_p), ("values", ctypes.c_void_p), ("capacity", ctypes.c_int64),
-                ("position", ctypes.c_int64), ("store", ctypes.c_int64)]
+                ("position", ctypes.c_int64)]
 
 
 @dataclass(frozen=True)
@@ -186,13 +186,11 @@ class DecoderLayer:
 @dataclass(frozen=True)
 class RowCache:
     """Where a row's session keeps its keys and values (each [layers, kv_heads, capacity, dim]
-    float32), the keys before the row (its position), and whether its own go in at that position
-    (a branch row, scored beside the row it replaces, keeps them aside)."""
+    float32) and the keys before the row (its position, where its own go in)."""
 
     keys: torch.Tensor
     values: torch.Tensor
     position: int
-    store: bool = True
 
 
 class Decoder:
@@ -215,7 +213,7 @@ class Decoder:
     def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: Sequence[RowCache]) -> None:
         """hidden [R, hidden] float32, updated in place by every layer; cos / sin [R, head_dim]."""
         R = hidden.shape[0]
-        structs = (_Row * R)(*(_Row(r.keys.data_ptr(), r.values.data_ptr(), r.keys.shape[2], r.position, int(r.store))
+        structs = (_Row * R)(*(_Row(r.keys.data_ptr(), r.values.data_ptr(), r.keys.shape[2], r.position)
                                for r in rows))
         self._library.specd_q4_layers(self._structs, len(self.layers), hidden.data_ptr(), R, self.hidden,
                                       self.intermediate, self.heads, self.kv_heads, self.head_dim, self.eps,

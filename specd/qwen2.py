@@ -74,29 +74,21 @@ class Q4Qwen2:
         caches: Sequence["KVCache"],
         inputs: Sequence[Sequence[int]],
         keep: Sequence[int],
-        branches: Sequence[ragged.Branch | None] = (),
     ) -> list[torch.Tensor]:
-        """What `ragged.forward` returns (per sequence [keep[i] (+ 1 with a branch), vocab] float32),
-        each row computed as a one-row step at its position would compute it."""
-        branches = list(branches) or [None] * len(inputs)
+        """What `ragged.forward` returns (per sequence [keep[i], vocab] float32), each row computed
+        as a one-row step at its position would compute it."""
         bounds = ragged.row_bounds([len(x) for x in inputs])
-        rows_in = bounds[-1][1]
-        branch_rows = {i: rows_in + n for n, i in enumerate(i for i, b in enumerate(branches) if b)}
         pasts = [cache.get_seq_length() for cache in caches]
-        tokens = [t for x in inputs for t in x] + [b.token for b in branches if b]
+        tokens = [t for x in inputs for t in x]
         positions = [p for past, x in zip(pasts, inputs) for p in range(past, past + len(x))]
-        positions += [past + b.at for past, b in zip(pasts, branches) if b]
         hidden = qkernels.dequantize(self.embed, torch.tensor(tokens, dtype=torch.long))  # [rows, hidden]
         cos, sin = self.rotary(hidden[None], torch.tensor(positions)[None])  # each [1, rows, head_dim]
         for cache, past, x in zip(caches, pasts, inputs):
             cache.reserve(past + len(x))
         rows = [RowCache(cache.keys, cache.values, past + j) for cache, past, x in zip(caches, pasts, inputs)
                 for j in range(len(x))]
-        rows += [RowCache(caches[i].keys, caches[i].values, pasts[i] + b.at, store=False)
-                 for i, b in enumerate(branches) if b]
         self.decoder(hidden, cos[0], sin[0], rows)
-        kept = [list(range(end - k, end)) + ([branch_rows[i]] if i in branch_rows else [])
-                for i, ((_, end), k) in enumerate(zip(bounds, keep))]
+        kept = [list(range(end - k, end)) for (_, end), k in zip(bounds, keep)]
         for cache, past, x in zip(caches, pasts, inputs):
             cache.extend(past + len(x))
         logits = qkernels.matmul(qkernels.rms_norm_rows(hidden[[r for rows in kept for r in rows]], self.norm, self.eps),

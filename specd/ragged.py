@@ -16,7 +16,6 @@ row differs from its one-session value only by how the BLAS blocks a matmul with
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
@@ -38,37 +37,22 @@ def forward(
     caches: Sequence[DynamicCache],
     inputs: Sequence[Sequence[int]],
     keep: Sequence[int],
-    branches: Sequence[Branch | None] = (),
 ) -> list[torch.Tensor]:
     """Feed inputs[i] to the sequence held by caches[i] (which grow by them), all in one pass.
 
     Returns per sequence the logits of its last keep[i] fed tokens: [keep[i], vocab], in the
     model's dtype, exactly what `model(inputs[i], past_key_values=caches[i],
     logits_to_keep=keep[i]).logits[0]` returns up to matmul rounding.
-
-    branches[i] (optional): one more row for sequence i, a token in place of inputs[i][at] that
-    sees the cache and inputs[i][:at] only; its logits are one more last row of that sequence's
-    result ([keep[i] + 1, vocab]), and its KV never enters the cache. Branch rows go after every
-    sequence's rows and attend on their own, so the other rows' attention is computed exactly as
-    without them; they share the linears (a row more in a matmul, which rounds alike as long as
-    the padded row count is the same).
     """
     if not isinstance(model, Qwen2ForCausalLM):
         raise TypeError(f"the ragged forward follows Qwen2's layer layout, not {type(model).__name__}")
-    branches = list(branches) or [None] * len(inputs)
     base = model.model
-    if base.has_sliding_layers and any(branches):
-        raise ValueError("branch rows attend to their whole prefix: not for sliding-window layers")
     bounds = row_bounds([len(x) for x in inputs])
-    rows_in = bounds[-1][1]  # the sequences' rows; branch rows follow, in sequence order
-    branch_rows = {i: rows_in + n for n, i in enumerate(i for i, b in enumerate(branches) if b)}
     device = base.embed_tokens.weight.device
-    tokens = [t for x in inputs for t in x] + [b.token for b in branches if b]
-    hidden = base.embed_tokens(torch.tensor([tokens], dtype=torch.long, device=device))  # [1, rows, hidden]
-    pasts = [c.get_seq_length() for c in caches]
-    position_ids = torch.tensor(
-        [p for past, x in zip(pasts, inputs) for p in range(past, past + len(x))]
-        + [past + b.at for past, b in zip(pasts, branches) if b], device=device,
+    ids = torch.tensor([[t for x in inputs for t in x]], dtype=torch.long, device=device)  # [1, rows]
+    hidden = base.embed_tokens(ids)  # [1, rows, hidden]
+    position_ids = torch.cat(
+        [torch.arange(c.get_seq_length(), c.get_seq_length() + len(x), device=device) for c, x in zip(caches, inputs)]
     )[None]  # [1, rows]: each token at its own session's position
     # Masks depend on each cache's length before this pass, so they are made before any layer grows it.
     masks = [
@@ -76,14 +60,12 @@ def forward(
         for cache, (start, end) in zip(caches, bounds)
     ]
     rotary = base.rotary_emb(hidden, position_ids)  # (cos, sin), each [1, rows, head_dim]
-    # per sequence: its branch's row and how many cached positions the branch sees
-    sides = [(branch_rows[i], pasts[i] + b.at) if b else None for i, b in enumerate(branches)]
 
     for i, layer in enumerate(base.layers[: model.config.num_hidden_layers]):
         layer_masks = [m[model.config.layer_types[i]] for m in masks]
         residual = hidden
         hidden = layer.input_layernorm(hidden)
-        hidden = _attention(layer.self_attn, hidden, rotary, caches, bounds, layer_masks, sides)
+        hidden = _attention(layer.self_attn, hidden, rotary, caches, bounds, layer_masks)
         hidden = residual + hidden
         residual = hidden
         hidden = layer.post_attention_layernorm(hidden)
@@ -91,18 +73,9 @@ def forward(
         hidden = residual + hidden
 
     hidden = base.norm(hidden)
-    rows = [torch.arange(end - k, end, device=device) for (_, end), k in zip(bounds, keep)]
-    rows = [torch.cat([r, r.new_tensor([branch_rows[i]])]) if i in branch_rows else r for i, r in enumerate(rows)]
-    logits = model.lm_head(hidden[:, torch.cat(rows)])[0]  # [rows kept, vocab]: the vocab projection only where read
-    return list(logits.split([len(r) for r in rows]))
-
-
-@dataclass(frozen=True)
-class Branch:
-    """A token scored in place of inputs[i][at] (a sibling of it), seeing only what precedes it."""
-
-    token: int
-    at: int
+    rows = torch.cat([torch.arange(end - k, end, device=device) for (_, end), k in zip(bounds, keep)])
+    logits = model.lm_head(hidden[:, rows])[0]  # [sum(keep), vocab]: the vocab projection only where read
+    return list(logits.split(list(keep)))
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -134,27 +107,20 @@ def _attention(
     caches: Sequence[DynamicCache],
     bounds: Sequence[tuple[int, int]],
     masks: Sequence[torch.Tensor | None],
-    sides: Sequence[tuple[int, int] | None],
 ) -> torch.Tensor:
-    """Qwen2Attention.forward with the projections over all rows and attention per sequence;
-    a branch row (sides[i]: its row, the cached positions it sees) attends after its sequence."""
+    """Qwen2Attention.forward with the projections over all rows and attention per sequence."""
     shape = (*hidden.shape[:-1], -1, attn.head_dim)
     query = attn.q_proj(hidden).view(shape).transpose(1, 2)  # [1, heads, rows, head_dim]
     key = attn.k_proj(hidden).view(shape).transpose(1, 2)  # [1, kv_heads, rows, head_dim]
     value = attn.v_proj(hidden).view(shape).transpose(1, 2)  # [1, kv_heads, rows, head_dim]
     query, key = apply_rotary_pos_emb(query, key, *rotary)  # rotation is per row: each at its own position
     interface = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, eager_attention_forward)
-    kwargs = dict(dropout=0.0, scaling=attn.scaling, sliding_window=attn.sliding_window)
-    outputs, side_outputs = [], []
-    for cache, (start, end), mask, side in zip(caches, bounds, masks, sides):
+    outputs = []
+    for cache, (start, end), mask in zip(caches, bounds, masks):
         # keys, values: [1, kv_heads, cached + n, head_dim], this sequence's whole past
         keys, values = cache.update(key[:, :, start:end], value[:, :, start:end], attn.layer_idx)
-        out, _ = interface(attn, query[:, :, start:end], keys, values, mask, **kwargs)
+        out, _ = interface(attn, query[:, :, start:end], keys, values, mask, dropout=0.0, scaling=attn.scaling,
+                           sliding_window=attn.sliding_window)
         outputs.append(out)  # [1, n, heads, head_dim]
-        if side:
-            row, seen = side  # one query row: it attends to everything it is given, no mask
-            side_keys = torch.cat([keys[:, :, :seen], key[:, :, row : row + 1]], dim=2)
-            side_values = torch.cat([values[:, :, :seen], value[:, :, row : row + 1]], dim=2)
-            side_outputs.append(interface(attn, query[:, :, row : row + 1], side_keys, side_values, None, **kwargs)[0])
-    out = torch.cat(outputs + side_outputs, dim=1).reshape(*hidden.shape[:-1], -1).contiguous()  # [1, rows, heads * head_dim]
+    out = torch.cat(outputs, dim=1).reshape(*hidden.shape[:-1], -1).contiguous()  # [1, rows, heads * head_dim]
     return attn.o_proj(out)

@@ -38,13 +38,12 @@ class SessionStats:
     draft_compute_s: float = 0.0  # model time the draft service reported
     verify_compute_s: float = 0.0  # model time the target service reported (plain steps included)
     round_wall_s: float = 0.0  # the coordinator's wall time for its rounds, store saves included
-    sibling_tokens: int = 0  # tokens committed after a recovered sibling (specd/verify.py): one per sibling won
     outage_rounds: int = 0  # plain rounds because no draft replica answered (specd/loop.py: DraftOutage)
 
     @property
     def mean_acceptance_length(self) -> float:
         """Tokens committed per target call; includes the recovered/bonus token (as vLLM counts)."""
-        return (self.accepted + self.rounds + self.sibling_tokens) / self.rounds if self.rounds else 0.0
+        return (self.accepted + self.rounds) / self.rounds if self.rounds else 0.0
 
     def record(
         self,
@@ -54,13 +53,12 @@ class SessionStats:
         resyncs: int = 0,
         draft_s: float = 0.0,
         verify_s: float = 0.0,
-        sibling_tokens: int = 0,
         outage_rounds: int = 0,
     ) -> "SessionStats":
         judged = accepted + (1 if accepted < k else 0)
         return self + SessionStats(
             1, k, accepted, (1,) * accepted, (1,) * k, fallbacks, resyncs, judged, draft_s, verify_s,
-            sibling_tokens=sibling_tokens, outage_rounds=outage_rounds,
+            outage_rounds=outage_rounds,
         )
 
     def __add__(self, other: "SessionStats") -> "SessionStats":
@@ -76,7 +74,6 @@ class SessionStats:
             self.draft_compute_s + other.draft_compute_s,
             self.verify_compute_s + other.verify_compute_s,
             self.round_wall_s + other.round_wall_s,
-            self.sibling_tokens + other.sibling_tokens,
             self.outage_rounds + other.outage_rounds,
         )
 

@@ -39,38 +39,23 @@ class TargetEngine(RoleEngine):
         """Sync, then check everything about the request that could fail it, before any model work;
         the request and its draft rows q ([K, vocab]; None when greedy)."""
         self.sync(request.session_id, request.sync)
-        proposal, params = request.proposal, request.params
-        if proposal.sibling is not None:
-            if not params.greedy:
-                raise ValueError("a sibling is for greedy verification only")
-            self.engine.check_sibling(proposal.tokens, proposal.sibling)
-        q = None if params.greedy else _dense_q(proposal, self.engine.vocab_size)  # [K, vocab]
+        proposal = request.proposal
+        q = None if request.params.greedy else _dense_q(proposal, self.engine.vocab_size)  # [K, vocab]
         self.engine.check_forward(request.session_id, proposal.tokens)
         return request, q
 
     def _verify_together(self, checked: list[tuple[VerifyRequest, torch.Tensor | None]]) -> list[VerifyReply]:
-        """One pass for all (model time not yet in the replies). Siblings take the rows the pass
-        pads to anyway (`ModelEngine.spare_rows`), in batch order."""
+        """One pass for all (model time not yet in the replies)."""
         passes = [(request.session_id, request.proposal.tokens) for request, _ in checked]
-        spare = self.engine.spare_rows(passes)
-        siblings = []
-        for request, _ in checked:
-            scored = request.proposal.sibling is not None and spare > 0
-            spare -= scored
-            siblings.append(request.proposal.sibling if scored else None)
-        logits = self.engine.forward_many(passes, siblings=siblings)  # each [K+1 (+1 with a sibling), vocab]
-        return [self._decide(request, q, rows, sibling)
-                for (request, q), rows, sibling in zip(checked, logits, siblings)]
+        logits = self.engine.forward_many(passes)  # each [K+1, vocab]
+        return [self._decide(request, q, rows) for (request, q), rows in zip(checked, logits)]
 
-    def _decide(
-        self, request: VerifyRequest, q: torch.Tensor | None, logits: torch.Tensor, sibling: int | None
-    ) -> VerifyReply:
-        """The pure verify math on one session's rows (logits: [K+1, vocab], then the sibling's row
-        when it was scored), then its rollback."""
+    def _decide(self, request: VerifyRequest, q: torch.Tensor | None, logits: torch.Tensor) -> VerifyReply:
+        """The pure verify math on one session's rows (logits: [K+1, vocab]), then its rollback."""
         n, drafts, params = request.sync.end, request.proposal.tokens, request.params
         K = len(drafts)
         if q is None:
-            verdict = verify_greedy(drafts, logits, sibling)
+            verdict = verify_greedy(drafts, logits)
         else:
             p = warp(logits, params)  # [K+1, vocab]
             u_accept = uniforms(params.seed, ACCEPT_STREAM, range(n, n + K))

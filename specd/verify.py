@@ -3,13 +3,6 @@
 Vocabulary as in vLLM: *accepted* draft tokens, the *recovered* token drawn from the
 residual norm(max(0, p - q)) at the first rejection, the *bonus* token drawn from p at
 position K+1 when all K drafts are accepted. Pure functions on tensors.
-
-A greedy proposal may carry a *sibling*: the draft's second choice for the first position,
-scored by the target in one more row of the same pass (a row that sees the prefix, not the
-drafts; SpecInfer's token tree at its smallest). When the first draft is rejected and the
-target's own token is the sibling, the sibling's row gives the token after it too: the round
-commits two tokens instead of one. Greedy only: the target's argmax decides every token, so
-the output is still the target's.
 """
 
 from __future__ import annotations
@@ -22,21 +15,15 @@ from specd.contracts import Proposal, Verdict  # re-exported: the wire types liv
 from specd.sampling import sample
 
 
-def verify_greedy(draft_tokens: Sequence[int], p_logits: torch.Tensor, sibling: int | None = None) -> Verdict:
-    """Accept drafts while they equal the target's argmax. p_logits: [K+1, vocab], then the
-    sibling's row when a sibling was scored ([K+2, vocab])."""
-    K = len(draft_tokens)
-    if sibling is not None and (K == 0 or p_logits.shape[0] != K + 2):
-        raise ValueError("a sibling needs at least one draft and its own row after the K + 1 rows")
-    target_tokens = p_logits.argmax(-1).tolist()  # [K+1] (+ the token after the sibling)
+def verify_greedy(draft_tokens: Sequence[int], p_logits: torch.Tensor) -> Verdict:
+    """Accept drafts while they equal the target's argmax. p_logits: [K+1, vocab]."""
+    target_tokens = p_logits.argmax(-1).tolist()  # [K+1]
     num_accepted = 0
     for drafted, wanted in zip(draft_tokens, target_tokens):
         if drafted != wanted:
             break
         num_accepted += 1
-    recovered = target_tokens[num_accepted]
-    sibling_won = sibling is not None and num_accepted == 0 and recovered == sibling
-    return Verdict(num_accepted, recovered, target_tokens[K + 1] if sibling_won else None)
+    return Verdict(num_accepted, target_tokens[num_accepted])
 
 
 def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

@@ -87,7 +87,6 @@ class FakeService:
 @dataclass
 class FakeDrafter(FakeService):
     confidence: Callable[[Sequence[int]], float] = lambda prefix: 1.0  # the draft's probability of its next token
-    runner_up: NextToken | None = None  # greedy: its second choice after a prefix, offered as a sibling
     down: bool = False  # no replica answers: propose raises ServiceUnavailable, probe says False
     probes: int = 0
 
@@ -103,8 +102,7 @@ class FakeDrafter(FakeService):
             if not sure:
                 break
         drafted = len(tokens) - position
-        sibling = self.runner_up(tokens[:position]) if self.runner_up and drafted and request.params.greedy else None
-        proposal = Proposal(tuple(tokens[position:]), (), None if drafted and sibling == tokens[position] else sibling)
+        proposal = Proposal(tuple(tokens[position:]), ())
         return DraftReply(proposal, position, self.instance_id, self.compute_s * drafted, await self._wait())
 
     async def probe(self) -> bool:
@@ -112,13 +110,9 @@ class FakeDrafter(FakeService):
         return not self.down
 
 
-@dataclass
 class FakeVerifier(FakeService):
-    siblings: list[int | None] = field(default_factory=list)  # the sibling of every proposal verified
-
     async def verify(self, request: VerifyRequest) -> VerifyReply:
         tokens, proposal = self._sync(request.session_id, request.sync), request.proposal
-        self.siblings.append(proposal.sibling)
         accepted = 0
         for drafted in proposal.tokens:
             if drafted != self.rule(tokens):
@@ -127,11 +121,7 @@ class FakeVerifier(FakeService):
             accepted += 1
         wanted = self.rule(tokens)
         tokens.append(wanted)
-        after = None
-        if accepted == 0 and proposal.sibling is not None and wanted == proposal.sibling:  # as if in a spare row
-            after = self.rule(tokens)
-            tokens.append(after)
-        return VerifyReply(Verdict(accepted, wanted, after), len(tokens), self.instance_id, self.compute_s,
+        return VerifyReply(Verdict(accepted, wanted), len(tokens), self.instance_id, self.compute_s,
                            await self._wait())
 
 

@@ -14,7 +14,6 @@ import asyncio
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 
 import grpc
 import pytest
@@ -53,9 +52,7 @@ def test_verify_batch_decides_what_one_session_at_a_time_decides(tiny_pair, para
         for engine in (draft, alone, batched):
             engine.sync(str(session), 0, prompt)
     for round_ in range(4):
-        # without siblings: which sessions get one depends on the batch's spare rows (tests/test_siblings.py)
-        proposals = {str(s): replace(propose(draft, str(s), (s + round_) % 5, params), sibling=None)
-                     for s in range(len(PROMPTS))}
+        proposals = {str(s): propose(draft, str(s), (s + round_) % 5, params) for s in range(len(PROMPTS))}
         expected = {s: verify_proposal(alone, s, p, params) for s, p in proposals.items()}
         requests = [VerifyRequest(s, held(batched, s), p, params) for s, p in proposals.items()]
         for request, reply in zip(requests, TargetEngine(batched).verify(requests)):

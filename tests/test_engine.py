@@ -398,7 +398,7 @@ def test_newest_only_feeds_just_the_new_tokens_of_a_fully_cached_session(tiny_pa
         engine.forward(session, [8])  # every token cached, nothing pending
     fed = []
     forward = ragged.forward
-    monkeypatch.setattr(ragged, "forward", lambda model, caches, inputs, *rest: fed.append(inputs) or forward(model, caches, inputs, *rest))
+    monkeypatch.setattr(ragged, "forward", lambda model, caches, inputs, keep: fed.append(inputs) or forward(model, caches, inputs, keep))
     for extra in ([9], [], [3, 4]):
         want = engine.forward_many([("full", extra)])[0][-1:]
         got = engine.forward_many([("newest", extra)], newest_only=True)[0]

@@ -54,18 +54,6 @@ def test_output_is_the_target_alone(k, agreement_every):
     assert "".join(e.text for e in events if isinstance(e, Chunk)) == decode(done.token_ids) == done.text
 
 
-@pytest.mark.parametrize("siblings", [True, False], ids=["siblings", "no-siblings"])
-def test_a_won_sibling_commits_two_tokens_unless_the_policy_turns_siblings_off(siblings):
-    # the draft always misses, and its runner-up is always the target's token
-    drafter, verifier = FakeDrafter(draft_rule(1), runner_up=target_rule), FakeVerifier(target_rule)
-    req = replace(request(max_tokens=30, k=2), policy=PolicyConfig(siblings=siblings))
-    done = run(req, drafter, verifier)[-1]
-    assert list(done.token_ids) == target_alone(PROMPT, 30)
-    s = done.stats
-    assert len(done.token_ids) == s.accepted + s.rounds + s.sibling_tokens
-    assert s.sibling_tokens == (s.rounds if siblings else 0)  # every round: two tokens for one target call
-    assert all((sibling is not None) == siblings for sibling in verifier.siblings)
-
 def test_a_draft_outage_decodes_plainly_at_once_then_speculates_again():
     drafter, verifier = FakeDrafter(draft_rule(100)), FakeVerifier(target_rule)
     records: list[RoundRecord] = []

@@ -70,7 +70,6 @@ def test_coordinator_counters_move_by_the_request_stats(cluster):
         "specd:spec_decode_num_draft_tokens_total": stats.drafted_tokens,
         "specd:spec_decode_num_accepted_tokens_total": stats.accepted_tokens,
         "specd:spec_decode_fallbacks_total": stats.fallbacks,
-        "specd:spec_decode_num_sibling_tokens_total": stats.sibling_tokens,
         "specd:prompt_tokens_total": stats.prompt_tokens,
         "specd:generation_tokens_total": stats.completion_tokens,
         "specd:time_to_first_token_seconds_count": 1,

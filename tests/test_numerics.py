@@ -6,7 +6,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from specd import numerics, qkernels, qwen2, ragged
+from specd import numerics, qkernels, qwen2
 from specd.engine import EngineConfig, ModelEngine
 
 MAX_ROWS = 16
@@ -94,17 +94,6 @@ def test_a_prompt_fed_at_once_equals_it_fed_token_by_token(q4_target):
     q4_target.sync("one-by-one", 0, prompt[:1])
     one_by_one = [q4_target.forward("one-by-one")[-1]] + [q4_target.forward("one-by-one", [t])[-1] for t in prompt[1:]]
     assert all(torch.equal(at_once[i], one_by_one[i]) for i in range(len(prompt)))
-
-
-def test_a_sibling_row_is_the_step_that_token_would_take(q4_target):
-    prompt = [3, 17, 250, 42]
-    q4_target.sync("branch", 0, prompt)
-    q4_target.forward("branch")  # the cache holds the prompt
-    caches = [q4_target._sessions["branch"].cache]
-    with_sibling = q4_target._q4.forward(caches, [[5, 6, 7]], [3], [ragged.Branch(99, 0)])[0]  # [3 + 1, vocab]
-    assert caches[0].get_seq_length() == len(prompt) + 3  # the sibling's KV never enters the cache
-    q4_target.sync("sibling", 0, prompt + [99])
-    assert torch.equal(with_sibling[3], q4_target.forward("sibling")[-1])
 
 
 def test_a_restart_reads_the_cached_quantised_weights_back_bit_for_bit(tiny_pair):

@@ -11,13 +11,10 @@ import grpc
 import httpx
 import pytest
 
-from specd import kernels, numerics
-from specd.engine import EngineConfig, ModelEngine
+from specd import numerics
 from services import cli
 from services.common import model_main, settings
 from services.common.metrics import exposition
-from services.coordinator.frontend import Frontend
-from services.coordinator.requests import Limits
 from services.protogen.specd.v1 import common_pb2, coordinator_pb2, draft_pb2_grpc, target_pb2_grpc
 from tests.procs import up_commands, value
 from tests.cluster import Cluster
@@ -80,7 +77,6 @@ def shown(c: Cluster) -> dict[str, dict]:
         engine, choice = servicer.engine, servicer.engine.numerics
         assert (info.numerics, info.invariant, info.reason) == (choice.mode, choice.invariant, choice.reason)
         assert (info.quantize, info.instance_id) == (engine.config.quantize, engine.instance_id)
-        assert tuple(info.row_blocks) == engine.row_blocks
         labels = f'invariant="{str(info.invariant).lower()}",mode="{info.numerics}",quantize="{info.quantize}"'
         served = exposition(servicer.metrics.registry)[0].decode().splitlines()  # what /metrics serves
         assert f"specd:engine_numerics_info{{{labels}}} 1.0" in served
@@ -97,18 +93,6 @@ def test_what_each_service_runs_shows_in_metrics_engine_info_and_models(cluster)
                                  "reason": "set by configuration"}
     draft = cluster.draft.engine.config.quantize
     assert (answers["draft"]["numerics"], answers["draft"]["invariant"]) == (draft, draft == "q4")
-
-
-def test_the_coordinator_prices_k_by_the_row_blocks_the_target_reports(cluster, tiny_pair):
-    """A q4 target runs the rows it is fed (no padding to blocks, unlike the float32 small-row path):
-    a coordinator told to ask (the default) learns that from it at start-up."""
-    fp32 = ModelEngine(EngineConfig(tiny_pair[1], dtype="float32"))
-    assert fp32.row_blocks == kernels.row_blocks(kernels.SMALL_ROWS) and len(fp32.row_blocks) > 1
-    frontend = Frontend(cluster.services, cluster.model, Limits(row_blocks=None))
-    assert cluster._run(frontend.learn_row_blocks()) == () == cluster.target.engine.row_blocks
-    assert frontend.limits.row_blocks == ()
-    asked = Frontend(cluster.services, cluster.model, Limits(row_blocks=(1, 4)))
-    assert cluster._run(asked.learn_row_blocks()) == (1, 4)  # set by configuration: not asked
 
 
 def test_auto_chooses_a_batch_invariant_mode_and_says_which(auto):

@@ -13,7 +13,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specd import kernels
 from specd.policy import (
     PLAIN,
     SPECULATIVE,
@@ -421,49 +420,3 @@ def test_concave_verify_times_are_explored_up_to_a_long_k():
     short = explore_k(replace(learned, alpha=0.3), config, 1, 1.0)
     assert short == 1  # at α = 0.3 no longer K could win even with free verification
 
-
-# --- a target that pads its passes to row blocks ----------------------------------------
-
-BLOCKS = (1, 2, 4, 5, 6, 8, 16, 24)  # specd.kernels.row_blocks(17): the CPU kernels' padding
-# The real target's verification by the rows it computes (in process, 100-token context, 2 cores).
-BLOCK_VERIFY_S = {1: 0.449, 2: 0.504, 4: 0.475, 5: 0.603, 6: 0.845, 8: 0.78, 16: 1.08, 24: 1.26}
-PADDED_DRAFT_STEP = 0.054
-
-
-def padded_round(k: int, accepted: int) -> RoundObservation:
-    rows = next(block for block in BLOCKS if block >= k + 1)
-    return RoundObservation(k, accepted, PADDED_DRAFT_STEP * k, BLOCK_VERIFY_S[rows], RTT)
-
-
-def test_one_measurement_prices_its_whole_row_block():
-    """K = 2 feeds three rows, which the target runs as four: K = 3 costs the same, so at prose's
-    α = 0.6 the third draft comes for one draft step (the line through K = 2 and 4 would price it
-    between them, and stay at K = 2)."""
-    config = PolicyConfig(max_k=16, row_blocks=BLOCKS)
-    assert [config.cost_k(k) for k in range(17)] == [0, 1, 3, 3, 4, 5, 7, 7, *[15] * 8, 23]
-    est = Estimates(alpha=0.6, draft_step_s=PADDED_DRAFT_STEP, verify_s=((0, 0.449), (1, 0.504), (4, 0.603)),
-                    rtt_s=RTT, observations=10, accepted_count=6.0, tested_count=10.0)
-    state = observe(PolicyState(estimates=est, drafted_last_round=True), padded_round(2, 1), config)
-    assert dict(state.estimates.verify_s)[3] == 0.475 and 2 not in dict(state.estimates.verify_s)
-    learned = replace(state.estimates, alpha=0.6)
-    assert verify_time(learned, 2, config) == verify_time(learned, 3, config) == 0.475
-    assert best_k(learned, config)[0] == 3
-    line = replace(learned, verify_s=((0, 0.449), (1, 0.504), (2, 0.475), (4, 0.603)))
-    assert best_k(line, PolicyConfig(max_k=16))[0] == 2  # not knowing the blocks
-    with pytest.raises(ValueError, match="row_blocks"):
-        PolicyConfig(row_blocks=(1, 4, 2)).validate()
-
-
-@pytest.mark.parametrize("alpha, block_ends", [(0.95, {7, 15}), (0.99, {15})])
-def test_on_a_padding_target_rounds_settle_on_block_ends(alpha, block_ends):
-    """The most drafts for the rows paid for: after the exploration, K stays at block ends."""
-    config, rng, state, ks = PolicyConfig(max_k=16, row_blocks=BLOCKS), random.Random(3), PolicyState(), []
-    for _ in range(60):
-        k = next_k(state, config)
-        state = observe(state, padded_round(k, draw_accepted(rng, alpha, k)), config)
-        ks.append(k)
-    assert set(ks[-30:]) <= block_ends and state.fallbacks == 0, ks
-
-
-def test_the_blocks_above_are_the_cpu_kernels_padding():
-    assert kernels.row_blocks(17) == BLOCKS

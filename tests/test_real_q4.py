@@ -44,7 +44,6 @@ def test_specd_up_runs_the_q4_target_by_default(deployment):
                              options=channel_options("target")) as channel:
         info = target_pb2_grpc.TargetServiceStub(channel).GetEngineInfo(common_pb2.EngineInfoRequest(), timeout=30)
     assert (info.quantize, info.numerics, info.invariant) == ("auto", "q4", True)
-    assert list(info.row_blocks) == []  # it runs the rows it is fed
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)

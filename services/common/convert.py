@@ -19,11 +19,11 @@ def session_info_to_proto(position: int, kv_length: int, instance_id: str) -> co
 
 def engine_info_to_proto(info: EngineInfo) -> common_pb2.EngineInfo:
     return common_pb2.EngineInfo(instance_id=info.instance_id, numerics=info.numerics, quantize=info.quantize,
-                                 invariant=info.invariant, reason=info.reason, row_blocks=info.row_blocks)
+                                 invariant=info.invariant, reason=info.reason)
 
 
 def engine_info_from_proto(msg: common_pb2.EngineInfo) -> EngineInfo:
-    return EngineInfo(msg.instance_id, msg.numerics, msg.quantize, msg.invariant, msg.reason, tuple(msg.row_blocks))
+    return EngineInfo(msg.instance_id, msg.numerics, msg.quantize, msg.invariant, msg.reason)
 
 
 def load_to_proto(load: ReplicaLoad) -> common_pb2.ReplicaLoad:
@@ -66,8 +66,3 @@ def dists_from_proto(rows) -> tuple[SparseDist, ...]:
 
 def dists_to_proto(rows: tuple[SparseDist, ...]) -> list[common_pb2.SparseDist]:
     return [common_pb2.SparseDist(token_ids=row.token_ids, probs=row.probs) for row in rows]
-
-
-def optional(msg, field: str) -> int | None:
-    """A proto3 `optional` scalar: its value when set, else None."""
-    return getattr(msg, field) if msg.HasField(field) else None

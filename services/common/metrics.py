@@ -62,9 +62,6 @@ class CoordinatorMetrics:
         self.fallbacks = Counter(
             "specd:spec_decode_fallbacks", "Switches from speculative to plain decoding", registry=r
         )
-        self.sibling_tokens = Counter(
-            "specd:spec_decode_num_sibling_tokens", "Tokens committed after a recovered sibling (greedy)", registry=r
-        )
         self.outage_rounds = Counter(
             "specd:draft_outage_rounds", "Plain rounds because no draft replica answered", registry=r
         )
@@ -151,7 +148,6 @@ class RequestTracker:
             accepted = stats.accepted_per_position[position] if position < len(stats.accepted_per_position) else 0
             m.accepted_per_pos.labels(str(position)).inc(accepted)
         m.fallbacks.inc(stats.fallbacks)
-        m.sibling_tokens.inc(stats.sibling_tokens)
         m.outage_rounds.inc(stats.outage_rounds)
 
 

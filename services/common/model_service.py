@@ -142,7 +142,7 @@ class ModelServicer(Generic[Request, Reply]):
         """What this service runs. Fixed when the engine is built: any thread may read it."""
         choice = self.engine.numerics
         return EngineInfo(self.engine.instance_id, choice.mode, self.engine.config.quantize, choice.invariant,
-                          choice.reason, self.engine.row_blocks)
+                          choice.reason)
 
     @grpc_errors
     async def GetEngineInfo(self, request: common_pb2.EngineInfoRequest, context: grpc.aio.ServicerContext):

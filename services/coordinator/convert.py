@@ -51,7 +51,6 @@ def stats_to_proto(
         draft_compute_s=stats.draft_compute_s,
         verify_compute_s=stats.verify_compute_s,
         round_wall_s=stats.round_wall_s,
-        sibling_tokens=stats.sibling_tokens,
         outage_rounds=stats.outage_rounds,
         mode=mode,
     )

@@ -124,17 +124,6 @@ class Frontend:
                                 ticket.generated += len(event.token_ids)
                         yield event
 
-    async def learn_row_blocks(self) -> tuple[int, ...]:
-        """The row counts the target's passes run at (`Limits.row_blocks` None: ask the first target
-        replica that answers; it depends on the target's numerics, specd/engine.py)."""
-        if self.limits.row_blocks is None:
-            answers = await self.services.verifier.engines()
-            info = next((a for a in answers if not isinstance(a, BaseException)), None)
-            if info is None:
-                raise answers[0] if answers else ConnectionError("no target replica to ask")
-            self.limits = replace(self.limits, row_blocks=info.row_blocks)
-        return self.limits.row_blocks
-
     async def seed_prior(self) -> PolicyState | None:
         """Start-up calibration (specd/calibration.py) when the deployment has no prior yet."""
         config = policy_config(self.limits, self.limits.max_k)

@@ -28,9 +28,7 @@ class Limits:
     max_prompt_chars: int = 64 * 1024
     max_stop_strings: int = 8
     max_stop_chars: int = 128
-    row_blocks: tuple[int, ...] | None = ()  # row counts the target pads verifications to (specd.policy); None: ask it
     min_confidence: float = PolicyConfig.min_confidence  # adaptive K's confidence stop
-    siblings: bool = True  # greedy rounds send the draft's runner-up for the target's spare rows
 
 
 @dataclass(frozen=True)
@@ -96,8 +94,7 @@ def generation_request(req: ClientRequest, model: ModelInfo, limits: Limits) -> 
 def policy_config(limits: Limits, max_k: int) -> PolicyConfig:
     """The policy of a request that may draft up to max_k (at most the server's)."""
     return PolicyConfig(
-        max_k=max_k, default_k=min(limits.default_k, max_k), row_blocks=limits.row_blocks or (),
-        min_confidence=limits.min_confidence, siblings=limits.siblings,
+        max_k=max_k, default_k=min(limits.default_k, max_k), min_confidence=limits.min_confidence,
     )
 
 

@@ -34,18 +34,6 @@ log = logging.getLogger(__name__)
 
 
 
-def row_blocks(value: str) -> str | tuple[int, ...]:
-    """target (asked at start-up), none, or ascending row counts like 1,2,4,8,16."""
-    if value in ("target", "none"):
-        return value
-    try:
-        blocks = tuple(int(rows) for rows in value.split(","))
-        PolicyConfig(row_blocks=blocks).validate()  # ascending, positive
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"row blocks must be target, none or ascending row counts like 1,2,4,8; got {value!r}")
-    return blocks
-
-
 def confidence(value: str) -> float:
     try:
         threshold = float(value)
@@ -91,17 +79,11 @@ def build_parser() -> argparse.ArgumentParser:
     settings.add(parser, "--session-ttl-s", type=float, default=3600.0, help="idle sessions expire after this")
     settings.add(parser, "--default-k", type=int, default=Limits.default_k, help="draft tokens per round")
     settings.add(parser, "--max-k", type=int, default=Limits.max_k, help="largest K a request may ask for")
-    settings.add(parser, "--verify-row-blocks", type=row_blocks, default="target",
-                 help="row counts the target pads a verification's K + 1 rows to, so K of one block cost the same: "
-                      "target (what the target reports at start-up), none (as fed), or a list like 1,2,4,8,16")
     settings.add(parser, "--draft-confidence", type=confidence, default=Limits.min_confidence,
                  help="adaptive K: the draft stops after a token it gave a probability below this (0: off)")
-    settings.add(parser, "--siblings", default="on", choices=("on", "off"),
-                 help="greedy rounds send the draft's runner-up for the first position, which the target scores "
-                      "in rows its pass pads to anyway (off: never)")
     settings.add(parser, "--calibrate", default="on", choices=("on", "off"),
-                 help="a deployment with no learnt policy yet times one round per row block at start, so its first "
-                      "sessions need not explore K; health answers SERVING after it (off: they explore)")
+                 help="a deployment with no learnt policy yet times rounds of every K up to --max-k at start, so its "
+                      "first sessions need not explore K; health answers SERVING after it (off: they explore)")
     settings.add(parser, "--audit-rate", type=audit_rate, default=audit.DEFAULT_RATE,
                  help="this fraction of finished greedy requests is decoded again plainly on the target in the "
                       "background, one at a time, and any difference from the committed tokens is counted and "
@@ -141,18 +123,10 @@ def _checked(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argpa
     return args
 
 
-def _row_blocks(args: argparse.Namespace) -> tuple[int, ...] | None:
-    """None: the frontend asks the target at start-up."""
-    if args.verify_row_blocks == "target":
-        return None
-    return () if args.verify_row_blocks == "none" else args.verify_row_blocks
-
-
 def build(args: argparse.Namespace, drafter: Drafter, verifier: Verifier) -> Frontend:
     """The frontend over these model-service clients, as the settings say."""
     limits = Limits(
-        default_k=args.default_k, max_k=args.max_k, row_blocks=_row_blocks(args),
-        min_confidence=args.draft_confidence, siblings=args.siblings == "on",
+        default_k=args.default_k, max_k=args.max_k, min_confidence=args.draft_confidence,
     )
     if args.inject_rtt_ms:
         rtt_s = args.inject_rtt_ms / 1e3
@@ -177,15 +151,12 @@ def served_model_name(args: argparse.Namespace) -> str:
 
 
 async def start_up(frontend: Frontend, calibrate: bool) -> None:
-    """The target's row blocks, then start-up calibration, retried while the model services come
-    up (compose and k8s start them in any order); giving up costs only the exploration it would
-    have saved (and prices K as fed)."""
+    """Start-up calibration, retried while the model services come up (compose and k8s start them
+    in any order); giving up costs only the exploration it would have saved."""
+    if not calibrate:
+        return
     for attempt in range(CALIBRATION_ATTEMPTS):
         try:
-            blocks = await frontend.learn_row_blocks()
-            log.info("the target runs verifications at %s", f"row blocks {blocks}" if blocks else "the rows fed")
-            if not calibrate:
-                return
             prior = await frontend.seed_prior()
         except Exception as error:  # any failure: a service not up yet, Redis away
             log.info("start-up calibration: %s (attempt %d of %d)", error, attempt + 1, CALIBRATION_ATTEMPTS)

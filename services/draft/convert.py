@@ -31,10 +31,9 @@ def reply_to_proto(reply: DraftReply) -> draft_pb2.ProposeResponse:
         instance_id=reply.instance_id,
         compute_s=reply.compute_s,
         queued_s=reply.queued_s,
-        sibling=reply.proposal.sibling,
     )
 
 
 def reply_from_proto(msg: draft_pb2.ProposeResponse) -> DraftReply:
-    proposal = Proposal(tuple(msg.tokens), common.dists_from_proto(msg.q), common.optional(msg, "sibling"))
+    proposal = Proposal(tuple(msg.tokens), common.dists_from_proto(msg.q))
     return DraftReply(proposal, msg.position, msg.instance_id, msg.compute_s, msg.queued_s)

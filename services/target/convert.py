@@ -9,7 +9,7 @@ from services.protogen.specd.v1 import target_pb2
 
 
 def verify_from_proto(msg: target_pb2.VerifyRequest) -> VerifyRequest:
-    proposal = Proposal(tuple(msg.draft_tokens), common.dists_from_proto(msg.q), common.optional(msg, "sibling"))
+    proposal = Proposal(tuple(msg.draft_tokens), common.dists_from_proto(msg.q))
     return VerifyRequest(
         msg.session_id, common.sync_from_proto(msg.sync), proposal, common.params_from_proto(msg.sampling)
     ).validate()
@@ -28,7 +28,6 @@ def verify_to_proto(request: VerifyRequest) -> target_pb2.VerifyRequest:
         draft_tokens=request.proposal.tokens,
         q=common.dists_to_proto(request.proposal.q),
         sampling=common.params_to_proto(request.params),
-        sibling=request.proposal.sibling,
     )
 
 
@@ -50,12 +49,11 @@ def reply_to_proto(reply: VerifyReply) -> target_pb2.VerifyResponse:
         compute_s=reply.compute_s,
         queued_s=reply.queued_s,
         batch_size=reply.batch_size,
-        after_sibling=reply.verdict.after_sibling,
     )
 
 
 def reply_from_proto(msg: target_pb2.VerifyResponse) -> VerifyReply:
     return VerifyReply(
-        Verdict(msg.num_accepted, msg.next_token, common.optional(msg, "after_sibling")),
+        Verdict(msg.num_accepted, msg.next_token),
         msg.position, msg.instance_id, msg.compute_s, msg.queued_s, max(1, msg.batch_size),
     )

@@ -50,7 +50,7 @@ class TargetServicer(ModelServicer[VerifyRequest, VerifyReply], target_pb2_grpc.
     def _span_attributes(self, request: VerifyRequest, reply: VerifyReply) -> dict[str, Any]:
         verdict = reply.verdict
         return {"specd.k": len(request.proposal.tokens), "specd.position": request.sync.end,
-                "specd.accepted": verdict.num_accepted, "specd.sibling_won": verdict.after_sibling is not None}
+                "specd.accepted": verdict.num_accepted}
 
 
 def register(servicer: TargetServicer):

@@ -305,21 +305,19 @@ void specd_q4_matmul(const int8_t *xq, const float *xd, const float *xs, int64_t
     for (int64_t p = groups * PANELS; p < P; p++) panels(xq, xd, xs, M, K, w, wd, wm, bias, N, p, 1, y);
 }
 
-/* One query head against n cached keys and values ([n, dim] each) and then its own key and value,
- * in that order: exactly the keys a one-row step at this position sees. */
-static void attend(const float *q, const float *k, const float *v, int64_t n, const float *own_k,
-                   const float *own_v, int64_t dim, float scale, float *p, float *out)
+/* One query head against the first L cached keys and values ([L, dim] each), its own last: exactly
+ * the keys a one-row step at this position sees. */
+static void attend(const float *q, const float *k, const float *v, int64_t L, int64_t dim, float scale, float *p,
+                   float *out)
 {
     float top = -INFINITY;
-    for (int64_t j = 0; j <= n; j++) {
-        const float *key = j < n ? k + j * dim : own_k;
+    for (int64_t j = 0; j < L; j++) {
         __m256 acc = _mm256_setzero_ps();
         for (int64_t i = 0; i < dim; i += 8)
-            acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(key + i), acc);
+            acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(k + j * dim + i), acc);
         p[j] = hsum256(acc) * scale;
         top = fmaxf(top, p[j]);
     }
-    const int64_t L = n + 1;
     float total = 0.0f;
     int64_t j = 0;
     for (; j + 8 <= L; j += 8)
@@ -329,7 +327,7 @@ static void attend(const float *q, const float *k, const float *v, int64_t n, co
     for (int64_t i = 0; i < dim; i += 8) {
         __m256 acc = _mm256_setzero_ps();
         for (j = 0; j < L; j++)
-            acc = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps((j < n ? v + j * dim : own_v) + i), acc);
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(v + j * dim + i), acc);
         _mm256_storeu_ps(out + i, _mm256_div_ps(acc, _mm256_set1_ps(total)));
     }
 }
@@ -351,8 +349,7 @@ typedef struct {
 typedef struct {
     float *keys, *values;
     int64_t capacity;
-    int64_t position; /* keys before this row: its rotary position */
-    int64_t store;    /* 1: its key and value go into the cache at `position`; 0: a branch row's stay aside */
+    int64_t position; /* keys before this row: its rotary position, where its own key and value go */
 } q4_row;
 
 /* x = x * cos + rotate_half(x) * sin over one head (as transformers' apply_rotary_pos_emb). */
@@ -390,7 +387,6 @@ void specd_q4_layers(const q4_layer *layers, int64_t n_layers, float *hidden, in
         for (int64_t r = 0; r < R; r++) {
             const q4_row *row = rows + r;
             for (int64_t h = 0; h < heads + kv_heads; h++) rotate(qkv + r * N_qkv + h * dim, cos + r * dim, sin + r * dim, dim);
-            if (!row->store) continue;
             for (int64_t h = 0; h < kv_heads; h++) {
                 const int64_t at = ((l * kv_heads + h) * row->capacity + row->position) * dim;
                 memcpy(row->keys + at, qkv + r * N_qkv + Q + h * dim, sizeof(float) * dim);
@@ -405,9 +401,8 @@ void specd_q4_layers(const q4_layer *layers, int64_t n_layers, float *hidden, in
                 const int64_t r = rh / heads, h = rh % heads, kvh = h / group;
                 const q4_row *row = rows + r;
                 const int64_t base = (l * kv_heads + kvh) * row->capacity * dim;
-                const float *own = qkv + r * N_qkv + Q;
-                attend(qkv + r * N_qkv + h * dim, row->keys + base, row->values + base, row->position,
-                       own + kvh * dim, own + (kv_heads + kvh) * dim, dim, scale, p, att + rh * dim);
+                attend(qkv + r * N_qkv + h * dim, row->keys + base, row->values + base, row->position + 1, dim, scale, p,
+                       att + rh * dim);
             }
             free(p);
         }

@@ -22,10 +22,8 @@ class PolicyConfig:
     probe_max: int = 512
     smoothing: float = 0.3  # EWMA weight of a new observation (timings)
     alpha_window: int = 16  # rounds of evidence behind α (its counts decay by 1 - 1/alpha_window a round)
-    row_blocks: tuple[int, ...] = ()  # row counts the target computes verifications at, ascending; () = as fed
     min_confidence: float = 0.4  # confidence stop: drafting ends after a draft with q(token) below this (0: off),
     # as transformers' assisted generation's default
-    siblings: bool = True  # greedy: send the draft's runner-up for the target's spare rows (specd/verify.py)
 
     def validate(self) -> None:
         validate_that(self.max_k >= 1, f"max_k must be >= 1, got {self.max_k}")
@@ -35,21 +33,12 @@ class PolicyConfig:
         validate_that(1 <= self.probe_every <= self.probe_max, "need 1 <= probe_every <= probe_max")
         validate_that(0.0 < self.smoothing <= 1.0, f"smoothing must be in (0, 1], got {self.smoothing}")
         validate_that(self.alpha_window >= 1, f"alpha_window must be >= 1, got {self.alpha_window}")
-        validate_that(
-            list(self.row_blocks) == sorted(set(self.row_blocks)) and all(b >= 1 for b in self.row_blocks),
-            f"row_blocks must be ascending positive row counts, got {self.row_blocks}",
-        )
         validate_that(0.0 <= self.min_confidence < 1.0, f"min_confidence must be in [0, 1), got {self.min_confidence}")
 
     @property
     def start_k(self) -> int:
         """K before anything is measured, within max_k."""
         return max(1, min(self.default_k, self.max_k))
-
-    def cost_k(self, k: int) -> int:
-        """The K whose verification costs what K drafts' does: the largest K whose K + 1 rows the
-        target pads to the same row block (K itself when it does not pad them)."""
-        return next((block - 1 for block in self.row_blocks if block >= k + 1), k)
 
 
 @dataclass(frozen=True)

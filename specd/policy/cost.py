@@ -19,13 +19,11 @@ def expected_tokens(alpha: float, k: int) -> float:
     return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
-def verify_time(est: Estimates, k: int, config: PolicyConfig = PolicyConfig()) -> float | None:
-    """Target compute for a round with K drafts: the measurement when K (or a K of its row block)
-    was measured, else a least-squares line through the measured K (slope >= 0: more positions
-    never cost less), or PRIOR_SLOPE through a single point. Never below what a batched pass can
-    cost: K + 1 positions at once cost at most K + 1 times one position. None when nothing is
-    measured."""
-    k = config.cost_k(k)
+def verify_time(est: Estimates, k: int) -> float | None:
+    """Target compute for a round with K drafts: the measurement when K was measured, else a
+    least-squares line through the measured K (slope >= 0: more positions never cost less),
+    or PRIOR_SLOPE through a single point. Never below what a batched pass can cost: K + 1
+    positions at once cost at most K + 1 times one position. None when nothing is measured."""
     points = dict(est.verify_s)
     if k in points:
         return points[k]
@@ -58,18 +56,18 @@ def is_measured(est: Estimates) -> bool:
     return est.draft_step_s is not None and len(measured_k) >= (1 if has_plain else 2)
 
 
-def predicted_speedup(est: Estimates, k: int, config: PolicyConfig = PolicyConfig()) -> float:
+def predicted_speedup(est: Estimates, k: int) -> float:
     """S(K) of the module docstring: plain rounds per second of speculative work. Needs
     `is_measured(est)`."""
-    plain_s = verify_time(est, 0, config)
+    plain_s = verify_time(est, 0)
     if est.draft_step_s is None or plain_s is None:
         raise ValueError("predicted_speedup needs the draft step and a verify time measured")
-    return expected_tokens(est.alpha, k) * (plain_s + est.rtt_s) / round_time(est, k, config)
+    return expected_tokens(est.alpha, k) * (plain_s + est.rtt_s) / round_time(est, k)
 
 
-def round_time(est: Estimates, k: int, config: PolicyConfig = PolicyConfig()) -> float:
+def round_time(est: Estimates, k: int) -> float:
     """T(K) of the module docstring: one synchronous round with K drafts. Needs `is_measured(est)`."""
-    return k * est.draft_step_s + verify_time(est, k, config) + 2 * est.rtt_s
+    return k * est.draft_step_s + verify_time(est, k) + 2 * est.rtt_s
 
 
 def best_k(est: Estimates, config: PolicyConfig) -> tuple[int, float]:
@@ -78,7 +76,7 @@ def best_k(est: Estimates, config: PolicyConfig) -> tuple[int, float]:
     if not is_measured(est):
         return config.start_k, math.nan
     candidates = range(1, config.max_k + 1) if config.adaptive else (config.start_k,)
-    return max(((k, predicted_speedup(est, k, config)) for k in candidates), key=lambda ks: (ks[1], -ks[0]))
+    return max(((k, predicted_speedup(est, k)) for k in candidates), key=lambda ks: (ks[1], -ks[0]))
 
 
 def should_fall_back(est: Estimates, config: PolicyConfig) -> bool:
@@ -103,7 +101,7 @@ def should_fall_back(est: Estimates, config: PolicyConfig) -> bool:
 
 def _hopeless(est: Estimates, config: PolicyConfig) -> bool:
     """Even with verification as cheap as a plain step, no K would pay."""
-    plain_s = verify_time(est, 0, config)
+    plain_s = verify_time(est, 0)
 
     def free_speedup(k: int) -> float:
         round_s = k * est.draft_step_s + plain_s + 2 * est.rtt_s
@@ -121,14 +119,14 @@ def explore_k(est: Estimates, config: PolicyConfig, k: int, speedup: float) -> i
     if not config.adaptive or math.isnan(speedup):
         return k
     points = dict(est.verify_s)
-    plain_s = verify_time(est, 0, config)
+    plain_s = verify_time(est, 0)
 
     def optimistic(candidate: int) -> float:
         below = [km for km in points if km < candidate]
-        below_s = points[max(below)] if below else verify_time(est, candidate, config)
+        below_s = points[max(below)] if below else verify_time(est, candidate)
         round_s = candidate * est.draft_step_s + below_s + 2 * est.rtt_s
         return expected_tokens(est.alpha, candidate) * (plain_s + est.rtt_s) / round_s
 
-    unmeasured = [c for c in range(k + 1, config.max_k + 1) if config.cost_k(c) not in points]
+    unmeasured = [c for c in range(k + 1, config.max_k + 1) if c not in points]
     best = max(unmeasured, key=optimistic, default=None)
     return best if best is not None and optimistic(best) > speedup else k

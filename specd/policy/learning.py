@@ -26,7 +26,7 @@ def learn(
         draft_step = step if draft_step is None else _ewma(draft_step, step, w)
     verify_s = est.verify_s
     if not target_cold and not (obs.target_shared and is_measured(est)):
-        verify_s = _learn_verify(est.verify_s, config.cost_k(obs.k), obs.verify_s, w)
+        verify_s = _learn_verify(est.verify_s, obs.k, obs.verify_s, w)
     rtt = obs.rtt_s if est.observations == 0 else _ewma(est.rtt_s, obs.rtt_s, w)
     return Estimates(
         alpha, draft_step, verify_s, rtt, est.observations + 1, accepted_count, tested_count, est.judged + judged,
@@ -62,28 +62,22 @@ def _ewma(old: float, new: float, w: float) -> float:
 
 
 def calibration_ks(config: PolicyConfig) -> tuple[int, ...]:
-    """The K whose rounds price every K up to max_k: a plain step, and one K per row block (its
-    largest within max_k); without blocks, every K. A target that runs the rows it is fed is not a
-    line through a few K: the q4 engine's cost steps up where a second row tile starts (7 rows,
-    benchmarks/results/rows_q4.json), and a line through K = 4, 8, 16 hid that step while the
-    optimism of `explore_k` tried each K in between once per session."""
-    if config.row_blocks:
-        ks = {block - 1 for block in config.row_blocks if block - 1 <= config.max_k} | {config.max_k}
-    else:
-        ks = set(range(1, config.max_k + 1))
-    return tuple(sorted(ks | {0}))
+    """Every K from a plain step to max_k: verify time is not a line through a few K (the q4
+    engine's cost steps up where a second row tile starts, 7 rows, benchmarks/results/rows_q4.json),
+    and a line through K = 4, 8, 16 hid that step while the optimism of `explore_k` tried each K
+    in between once per session."""
+    return tuple(range(config.max_k + 1))
 
 
-def calibrated(rounds: Sequence[RoundObservation], config: PolicyConfig) -> PolicyState:
+def calibrated(rounds: Sequence[RoundObservation]) -> PolicyState:
     """The prior of a fresh deployment from timed rounds (`calibration_ks`, perhaps each more than
-    once): verify(K) by row block, the draft step and the RTT, each the fastest measured (noise
-    only ever adds time); acceptance left at the prior. A cold service's timing (it caught up on
-    more than the round's tokens) is left out."""
+    once): verify(K), the draft step and the RTT, each the fastest measured (noise only ever adds
+    time); acceptance left at the prior. A cold service's timing (it caught up on more than the
+    round's tokens) is left out."""
     verify: dict[int, float] = {}
     for obs in rounds:
         if not obs.target_cold:
-            k = config.cost_k(obs.k)
-            verify[k] = min(verify.get(k, math.inf), obs.verify_s)
+            verify[obs.k] = min(verify.get(obs.k, math.inf), obs.verify_s)
     steps = [o.draft_s / o.k for o in rounds if o.k > 0 and not o.draft_cold]
     estimates = Estimates(
         draft_step_s=min(steps, default=None), verify_s=tuple(sorted(verify.items())),

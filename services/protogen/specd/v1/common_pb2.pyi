@@ -57,20 +57,18 @@ class EngineInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineInfo(_message.Message):
-    __slots__ = ("instance_id", "numerics", "quantize", "invariant", "reason", "row_blocks")
+    __slots__ = ("instance_id", "numerics", "quantize", "invariant", "reason")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     NUMERICS_FIELD_NUMBER: _ClassVar[int]
     QUANTIZE_FIELD_NUMBER: _ClassVar[int]
     INVARIANT_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
-    ROW_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     numerics: str
     quantize: str
     invariant: bool
     reason: str
-    row_blocks: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, instance_id: _Optional[str] = ..., numerics: _Optional[str] = ..., quantize: _Optional[str] = ..., invariant: _Optional[bool] = ..., reason: _Optional[str] = ..., row_blocks: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, instance_id: _Optional[str] = ..., numerics: _Optional[str] = ..., quantize: _Optional[str] = ..., invariant: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
     __slots__ = ()

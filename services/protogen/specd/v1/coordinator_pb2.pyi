@@ -79,7 +79,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., session_id: _Optional[str] = ..., speculation: _Optional[bool] = ..., max_draft_tokens: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "rounds", "drafted_tokens", "accepted_tokens", "mean_acceptance_length", "accepted_per_position", "drafted_per_position", "fallbacks", "mode", "resyncs", "judged_tokens", "draft_compute_s", "verify_compute_s", "round_wall_s", "sibling_tokens", "outage_rounds")
+    __slots__ = ("prompt_tokens", "completion_tokens", "rounds", "drafted_tokens", "accepted_tokens", "mean_acceptance_length", "accepted_per_position", "drafted_per_position", "fallbacks", "mode", "resyncs", "judged_tokens", "draft_compute_s", "verify_compute_s", "round_wall_s", "outage_rounds")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
@@ -95,7 +95,6 @@ class GenerationStats(_message.Message):
     DRAFT_COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     VERIFY_COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     ROUND_WALL_S_FIELD_NUMBER: _ClassVar[int]
-    SIBLING_TOKENS_FIELD_NUMBER: _ClassVar[int]
     OUTAGE_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
@@ -112,9 +111,8 @@ class GenerationStats(_message.Message):
     draft_compute_s: float
     verify_compute_s: float
     round_wall_s: float
-    sibling_tokens: int
     outage_rounds: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., mean_acceptance_length: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., drafted_per_position: _Optional[_Iterable[int]] = ..., fallbacks: _Optional[int] = ..., mode: _Optional[str] = ..., resyncs: _Optional[int] = ..., judged_tokens: _Optional[int] = ..., draft_compute_s: _Optional[float] = ..., verify_compute_s: _Optional[float] = ..., round_wall_s: _Optional[float] = ..., sibling_tokens: _Optional[int] = ..., outage_rounds: _Optional[int] = ...) -> None: ...
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., mean_acceptance_length: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., drafted_per_position: _Optional[_Iterable[int]] = ..., fallbacks: _Optional[int] = ..., mode: _Optional[str] = ..., resyncs: _Optional[int] = ..., judged_tokens: _Optional[int] = ..., draft_compute_s: _Optional[float] = ..., verify_compute_s: _Optional[float] = ..., round_wall_s: _Optional[float] = ..., outage_rounds: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("token_ids", "text", "finish_reason", "stats")

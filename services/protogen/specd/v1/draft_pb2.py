@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from services.protogen.specd.v1 import common_pb2 as specd_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14specd/v1/draft.proto\x12\x08specd.v1\x1a\x15specd/v1/common.proto\"\xa7\x01\n\x0eProposeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12!\n\x04sync\x18\x02 \x01(\x0b\x32\x13.specd.v1.SyncPoint\x12\t\n\x01k\x18\x03 \x01(\r\x12*\n\x08sampling\x18\x04 \x01(\x0b\x32\x18.specd.v1.SamplingParams\x12\x16\n\x0emin_confidence\x18\x06 \x01(\x02J\x04\x08\x05\x10\x06R\tlookahead\"\xbe\x01\n\x0fProposeResponse\x12\x0e\n\x06tokens\x18\x01 \x03(\r\x12\x1f\n\x01q\x18\x02 \x03(\x0b\x32\x14.specd.v1.SparseDist\x12\x10\n\x08position\x18\x03 \x01(\r\x12\x13\n\x0binstance_id\x18\x04 \x01(\t\x12\x11\n\tcompute_s\x18\x05 \x01(\x01\x12\x10\n\x08queued_s\x18\x07 \x01(\x01\x12\x14\n\x07sibling\x18\x08 \x01(\rH\x00\x88\x01\x01\x42\n\n\x08_siblingJ\x04\x08\x06\x10\x07R\x06reused2\xbe\x02\n\x0c\x44raftService\x12>\n\x07Propose\x12\x18.specd.v1.ProposeRequest\x1a\x19.specd.v1.ProposeResponse\x12\x39\n\nGetSession\x12\x14.specd.v1.SessionRef\x1a\x15.specd.v1.SessionInfo\x12\x36\n\x07Release\x12\x14.specd.v1.SessionRef\x1a\x15.specd.v1.SessionInfo\x12\x42\n\rGetEngineInfo\x12\x1b.specd.v1.EngineInfoRequest\x1a\x14.specd.v1.EngineInfo\x12\x37\n\x07GetLoad\x12\x15.specd.v1.LoadRequest\x1a\x15.specd.v1.ReplicaLoadb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14specd/v1/draft.proto\x12\x08specd.v1\x1a\x15specd/v1/common.proto\"\xa7\x01\n\x0eProposeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12!\n\x04sync\x18\x02 \x01(\x0b\x32\x13.specd.v1.SyncPoint\x12\t\n\x01k\x18\x03 \x01(\r\x12*\n\x08sampling\x18\x04 \x01(\x0b\x32\x18.specd.v1.SamplingParams\x12\x16\n\x0emin_confidence\x18\x06 \x01(\x02J\x04\x08\x05\x10\x06R\tlookahead\"\xab\x01\n\x0fProposeResponse\x12\x0e\n\x06tokens\x18\x01 \x03(\r\x12\x1f\n\x01q\x18\x02 \x03(\x0b\x32\x14.specd.v1.SparseDist\x12\x10\n\x08position\x18\x03 \x01(\r\x12\x13\n\x0binstance_id\x18\x04 \x01(\t\x12\x11\n\tcompute_s\x18\x05 \x01(\x01\x12\x10\n\x08queued_s\x18\x07 \x01(\x01J\x04\x08\x06\x10\x07J\x04\x08\x08\x10\tR\x06reusedR\x07sibling2\xbe\x02\n\x0c\x44raftService\x12>\n\x07Propose\x12\x18.specd.v1.ProposeRequest\x1a\x19.specd.v1.ProposeResponse\x12\x39\n\nGetSession\x12\x14.specd.v1.SessionRef\x1a\x15.specd.v1.SessionInfo\x12\x36\n\x07Release\x12\x14.specd.v1.SessionRef\x1a\x15.specd.v1.SessionInfo\x12\x42\n\rGetEngineInfo\x12\x1b.specd.v1.EngineInfoRequest\x1a\x14.specd.v1.EngineInfo\x12\x37\n\x07GetLoad\x12\x15.specd.v1.LoadRequest\x1a\x15.specd.v1.ReplicaLoadb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,7 +35,7 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PROPOSEREQUEST']._serialized_start=58
   _globals['_PROPOSEREQUEST']._serialized_end=225
   _globals['_PROPOSERESPONSE']._serialized_start=228
-  _globals['_PROPOSERESPONSE']._serialized_end=418
-  _globals['_DRAFTSERVICE']._serialized_start=421
-  _globals['_DRAFTSERVICE']._serialized_end=739
+  _globals['_PROPOSERESPONSE']._serialized_end=399
+  _globals['_DRAFTSERVICE']._serialized_start=402
+  _globals['_DRAFTSERVICE']._serialized_end=720
 # @@protoc_insertion_point(module_scope)

@@ -8,20 +8,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("session_id", "sync", "draft_tokens", "q", "sampling", "sibling")
+    __slots__ = ("session_id", "sync", "draft_tokens", "q", "sampling")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SYNC_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     Q_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
-    SIBLING_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     sync: _common_pb2.SyncPoint
     draft_tokens: _containers.RepeatedScalarFieldContainer[int]
     q: _containers.RepeatedCompositeFieldContainer[_common_pb2.SparseDist]
     sampling: _common_pb2.SamplingParams
-    sibling: int
-    def __init__(self, session_id: _Optional[str] = ..., sync: _Optional[_Union[_common_pb2.SyncPoint, _Mapping]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[_common_pb2.SparseDist, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., sibling: _Optional[int] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[str] = ..., sync: _Optional[_Union[_common_pb2.SyncPoint, _Mapping]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[_common_pb2.SparseDist, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("session_id", "sync", "sampling")
@@ -34,7 +32,7 @@ class StepRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., sync: _Optional[_Union[_common_pb2.SyncPoint, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("num_accepted", "next_token", "position", "instance_id", "compute_s", "queued_s", "batch_size", "after_sibling")
+    __slots__ = ("num_accepted", "next_token", "position", "instance_id", "compute_s", "queued_s", "batch_size")
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
@@ -42,7 +40,6 @@ class VerifyResponse(_message.Message):
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     QUEUED_S_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
-    AFTER_SIBLING_FIELD_NUMBER: _ClassVar[int]
     num_accepted: int
     next_token: int
     position: int
@@ -50,5 +47,4 @@ class VerifyResponse(_message.Message):
     compute_s: float
     queued_s: float
     batch_size: int
-    after_sibling: int
-    def __init__(self, num_accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., position: _Optional[int] = ..., instance_id: _Optional[str] = ..., compute_s: _Optional[float] = ..., queued_s: _Optional[float] = ..., batch_size: _Optional[int] = ..., after_sibling: _Optional[int] = ...) -> None: ...
+    def __init__(self, num_accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., position: _Optional[int] = ..., instance_id: _Optional[str] = ..., compute_s: _Optional[float] = ..., queued_s: _Optional[float] = ..., batch_size: _Optional[int] = ...) -> None: ...
