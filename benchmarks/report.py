@@ -202,13 +202,24 @@ def fallback(results: Path) -> str:
     return head + table(["configuration", "ratio vs plain", "drafting rounds (adaptive runs)", "fallbacks"], body)
 
 
-def pipeline(results: Path) -> str:
-    run = load(results, "pipeline")
-    body = [[c["threads"], c["pipeline"], f"{c['tokens_per_s']:.2f}", f"{c['vs_synchronous_shared']:.2f}",
-             f"{c['reused']} of {c['drafted']}" if c["pipeline"] != "off" else "—"] for c in run["configs"]]
-    head = f"{run['tokens']} tokens per request, {run['rtt_ms']:g} ms injected round trip:\n\n"
-    header = ["threads", "pipeline", "tok/s", "vs synchronous, shared threads", "drafts reused (of drafted)"]
-    return head + table(header, body)
+ABLATIONS = (("ab21_base", "every mechanism as specd up runs it"), ("ab21_core_turns_off", "core turns off"),
+             ("ab21_conf_0", "confidence stop off (--draft-confidence 0)"),
+             ("ab21_pipeline_auto", "pipelined drafting auto (since removed)"))
+
+
+def ablation(results: Path) -> str:
+    """Adaptive K with one mechanism changed: tok/s per class (× that run's own plain decoding)."""
+    rows = []
+    for name, label in ABLATIONS:
+        run = load(results, name)
+        cells = [_vs_plain(run["classes"][kind]["configs"]) for kind in CLASSES]
+        rows.append([label, *cells, f"{run['concurrency']['concurrent_tokens_per_s']:.1f}"])
+    return table(["adaptive K, tok/s (× plain)", *CLASSES, "8 concurrent, tok/s"], rows)
+
+
+def _vs_plain(configs: dict) -> str:
+    adaptive, plain = configs["adaptive"]["tokens_per_s"], configs["plain"]["tokens_per_s"]
+    return f"{adaptive:.1f} ({adaptive / plain:.2f})"
 
 
 BLOCKS: dict[str, Callable[[Path], str]] = {
@@ -218,7 +229,7 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "rows_q4": rows_q4,
     "chaos": chaos,
     "fallback": fallback,
-    "pipeline": pipeline,
+    "ablation": ablation,
 }
 
 
