@@ -11,7 +11,7 @@ from typing import Sequence
 
 import torch
 
-from specd.contracts import Proposal, Verdict  # re-exported: the wire types live in specd/contracts.py
+from specd.contracts import Verdict  # re-exported: the wire types live in specd/contracts.py
 from specd.sampling import sample
 
 

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from benchmarks import bench, common
-from benchmarks.bench import ADAPTIVE, HF_ASSISTED, LLAMA_PLAIN, LLAMA_SPEC, PLAIN, BenchConfig, Measured, mismatches
+from benchmarks.bench import BenchConfig, mismatches
+from benchmarks.summary import ADAPTIVE, HF_ASSISTED, LLAMA_PLAIN, LLAMA_SPEC, PLAIN, Measured
 
 pytestmark = pytest.mark.slow  # whole benchmark runs through specd up
 
@@ -18,7 +19,6 @@ FAKE_LLAMA_SERVER = Path(__file__).parent / "data" / "fake_llama_server.py"
 @pytest.fixture
 def results_dir(tmp_path, monkeypatch):
     monkeypatch.setattr(common, "RESULTS", tmp_path)
-    monkeypatch.setattr(bench, "RESULTS", tmp_path)
     return tmp_path
 
 

@@ -5,7 +5,6 @@ the gateway's /v1/models; a target refuses int8 wherever it is started."""
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import grpc
 import httpx
