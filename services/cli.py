@@ -6,29 +6,20 @@ import argparse
 import contextlib
 import json
 import os
-import secrets
 import signal
 import sys
-import tempfile
 import threading
-import time
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specd.policy import PolicyConfig
+from services import up
 from services.common import settings
-from services.common.phoenix import PROJECT, LocalPhoenix
-from services.common.redis_server import LocalRedis
-from services.common.supervisor import Supervisor, describe
 from services.common.worker import DEFAULT_MAX_BATCH
 from services.protogen.specd.v1 import coordinator_pb2, coordinator_pb2_grpc
+from services.up import METRICS_PORTS, PORTS, REPLICA_STRIDE
 
-PORTS = {"coordinator": 50051, "draft": 50052, "target": 50053}
-METRICS_PORTS = {"draft": 9101, "target": 9102}  # Prometheus /metrics of the model services
-REPLICA_STRIDE = 100  # replica i of a model service listens on its ports + 100·i
-READY_TIMEOUT_S = 600.0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -210,165 +201,7 @@ def _model_dirs(args: argparse.Namespace) -> dict[str, Path]:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    paths = _model_dirs(args)
-    with contextlib.ExitStack() as stack:
-        redis_url = args.redis_url or stack.enter_context(_local_redis()).url
-        if args.tracing:
-            _start_tracing(stack)
-        run_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="specd-")))
-        # Both model services open this file and take turns at the cores by locking it (services/common/worker.py).
-        cores_lock = run_dir / "cores.lock" if args.core_turns == "on" else None
-        tls_dir = tls_dir_of(args, run_dir)
-        if tls_dir == run_dir / "tls":
-            from services.common import certs
-
-            certs.make(tls_dir, days=7)
-        return _run_services(args, paths, redis_url, cores_lock, tls_dir)
-
-
-def tls_dir_of(args: argparse.Namespace, run_dir: Path) -> Path | None:
-    """The model services' certificates under `specd up`: none with --service-tls off, the set
-    --tls-dir names, else one made for this run in its directory."""
-    if args.service_tls == "off":
-        return None
-    return args.tls_dir or run_dir / "tls"
-
-
-def _local_redis() -> LocalRedis:
-    """The session store when no URL is given: a Redis with its own random password."""
-    return LocalRedis(appendonly=True, password=secrets.token_urlsafe(24))
-
-
-def _start_tracing(stack: contextlib.ExitStack) -> None:
-    """A local Phoenix for this run; the services inherit the OTLP settings that point at it."""
-    phoenix = stack.enter_context(LocalPhoenix())
-    os.environ.update(phoenix.otel_env())
-    print(f"tracing: Phoenix UI at {phoenix.url} (project {PROJECT})", flush=True)
-
-
-def _addresses(args: argparse.Namespace) -> dict[str, list[str]]:
-    """Each role's replica addresses (the coordinator is one)."""
-    return {role: [f"{args.host}:{port}" for port in _ports(args, role, "port")] for role in PORTS}
-
-
-def _ports(args: argparse.Namespace, role: str, kind: str) -> list[int]:
-    """`kind` "port" or "metrics_port" of each replica of `role` (0 stays 0: off)."""
-    base = getattr(args, f"{role}_{kind}")
-    replicas = getattr(args, f"{role}_replicas", 1)
-    return [base + REPLICA_STRIDE * i if base else 0 for i in range(replicas)]
-
-
-def _commands(
-    args: argparse.Namespace, paths: dict[str, Path], cores_lock: Path | None, tls_dir: Path | None = None
-) -> dict[str, list[str]]:
-    """Each child's command line (after the Python executable), by name: draft-0, target-0, ..., coordinator."""
-    addr = _addresses(args)
-    commands = {}
-    for role in METRICS_PORTS:
-        for i, (port, metrics_port) in enumerate(zip(_ports(args, role, "port"), _ports(args, role, "metrics_port"))):
-            cmd = [*_model_service(args, role, paths[role], port), "--metrics-port", str(metrics_port)]
-            if role == "draft":
-                cmd += ["--max-batch", str(args.draft_max_batch)]
-            if cores_lock:
-                cmd += ["--cores-lock", str(cores_lock)]
-            if args.batch_wait is not None:
-                cmd += ["--batch-wait", str(args.batch_wait)]
-            commands[f"{role}-{i}"] = cmd + (["--tls-dir", str(tls_dir)] if tls_dir else [])
-    coordinator = [
-        *("-m", "services.coordinator", "--model-dir", str(paths["target"])),
-        *("--host", args.host, "--port", str(args.coordinator_port), "--default-k", str(args.default_k)),
-        *("--inject-rtt-ms", str(args.inject_rtt_ms)),
-        *("--draft-addr", ",".join(addr["draft"]), "--target-addr", ",".join(addr["target"])),
-        *("--http-port", str(args.http_port)),
-    ]
-    if args.api_keys_file:
-        coordinator += ["--api-keys-file", str(args.api_keys_file)]
-    if tls_dir:
-        coordinator += ["--tls-dir", str(tls_dir)]
-    if args.draft_confidence is not None:
-        coordinator += ["--draft-confidence", args.draft_confidence]
-    if args.audit_rate is not None:
-        coordinator += ["--audit-rate", args.audit_rate]
-    return commands | {"coordinator": coordinator}
-
-
-def _run_services(
-    args: argparse.Namespace, paths: dict[str, Path], redis_url: str, cores_lock: Path | None, tls_dir: Path | None
-) -> int:
-    """Start the children, wait until all serve, then keep them running (restarting any that
-    dies) until SIGTERM / Ctrl-C."""
-    addr = _addresses(args)
-    # The coordinator reads the store's URL (and its password) from its environment, never argv.
-    os.environ[settings.env_name("redis-url")] = redis_url
-    children = Supervisor(_commands(args, paths, cores_lock, tls_dir))
-    stopping = False
-
-    def stop(*_):
-        nonlocal stopping
-        stopping = True
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-    try:
-        children.start()
-        _wait_ready([(a, role) for role in ("draft", "target", "coordinator") for a in addr[role]], children, tls_dir)
-        print(
-            f"specd is up: coordinator {addr['coordinator'][0]} (draft {','.join(addr['draft'])}, target "
-            f"{','.join(addr['target'])}, sessions in {_without_password(redis_url)})",
-            flush=True,
-        )
-        if args.http_port >= 0:
-            print(f"REST (OpenAI-compatible): http://{args.host}:{args.http_port}/v1, metrics at /metrics", flush=True)
-        while not stopping:
-            children.tend()
-            time.sleep(0.2)
-        return 0
-    finally:
-        children.stop()
-
-
-def _without_password(url: str) -> str:
-    scheme, sep, rest = url.partition("://")
-    return f"{scheme}{sep}{rest.split('@', 1)[1]}" if "@" in rest else url
-
-
-def _model_service(args: argparse.Namespace, role: str, model_dir: Path, port: int) -> list[str]:
-    cmd = ["-m", f"services.{role}", "--model-dir", str(model_dir), "--host", args.host]
-    cmd += ["--port", str(port), "--quantize", getattr(args, f"{role}_quantize")]
-    threads = getattr(args, f"{role}_threads")
-    return cmd + (["--threads", str(threads)] if threads else [])
-
-
-def _wait_ready(addresses: list[tuple[str, str]], children: Supervisor, tls_dir: Path | None) -> None:
-    """Every child (address, role) serves; one that exits before (a bad flag, a missing model) stops `specd up`."""
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    for address, role in addresses:
-        while not _serving(address, tls_dir=tls_dir if role != "coordinator" else None, role=role):
-            if exited := children.exited():
-                name, code = next(iter(exited.items()))
-                raise SystemExit(f"{name} exited before serving ({describe(code)})")
-            if time.monotonic() > deadline:
-                raise SystemExit(f"{address} not serving after {READY_TIMEOUT_S:.0f}s")
-            time.sleep(0.5)
-
-
-def _serving(address: str, timeout_s: float = 1.0, tls_dir: Path | None = None, role: str | None = None) -> bool:
-    """The stock gRPC health service answers SERVING (the whole server, service ""); `tls_dir`: a
-    model service of `role` on mutual TLS, asked with the coordinator's certificate."""
-    with _channel(address, tls_dir, role) as channel:
-        try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
-        except grpc.RpcError:
-            return False
-    return reply.status == health_pb2.HealthCheckResponse.SERVING
-
-
-def _channel(address: str, tls_dir: Path | None, role: str | None) -> grpc.Channel:
-    if tls_dir is None:
-        return grpc.insecure_channel(address)
-    from services.common.tls import CALLER, TlsFiles, channel_options
-
-    return grpc.secure_channel(address, TlsFiles(tls_dir, CALLER).channel_credentials(), options=channel_options(role))
+    return up.run(args, _model_dirs(args))
 
 
 def cmd_serve_ray(args: argparse.Namespace) -> int:
@@ -380,7 +213,7 @@ def cmd_serve_ray(args: argparse.Namespace) -> int:
 
     paths = _model_dirs(args)
     with contextlib.ExitStack() as stack:
-        redis_url = args.redis_url or stack.enter_context(_local_redis()).url
+        redis_url = args.redis_url or stack.enter_context(up.local_redis()).url
         ray.init(num_cpus=args.num_cpus, include_dashboard=False)
         stack.callback(ray.shutdown)
         serve.start(http_options={"host": "127.0.0.1", "port": args.http_port})
@@ -403,7 +236,7 @@ def cmd_health(args: argparse.Namespace) -> int:
     if args.tls_dir and not args.role:
         print("specd health: --tls-dir needs --role draft|target", file=sys.stderr)
         return 2
-    serving = _serving(args.address, args.timeout, args.tls_dir, args.role)
+    serving = up.serving(args.address, args.timeout, args.tls_dir, args.role)
     print("SERVING" if serving else "NOT SERVING")
     return 0 if serving else 1
 

