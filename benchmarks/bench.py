@@ -1,5 +1,7 @@
 """specd bench: plain, fixed-K, adaptive and Hugging Face assisted decoding, compared in one run.
 
+One program: its steps (prompts, HF in process, the services, llama-server, the lossless check) in the order a run takes them; over 350 lines for that.
+
     .venv/bin/specd bench [--tokens 64] [--ks 1,2,4,8] [--prompts-per-class 1] [--concurrency 8] [--repeats 1]
     .venv/bin/python -m benchmarks.bench ...      (the same)
 
@@ -31,8 +33,7 @@ TTFT, TPOT p50/p99 (each token of a streamed chunk is charged the chunk's gap / 
 rounds; the theoretical speedup S(K) = E(α,K)·T_plain / (K·draft_step + verify(K)) of
 specd/policy/cost.py from the measured α and step times; the coordinator+gRPC+Redis overhead per round
 (round wall time minus model compute) as a fraction of one target step. Writes
-benchmarks/results/<name>.json and <name>_speedup.png, <name>_tpot.png.
-"""
+benchmarks/results/<name>.json and <name>_speedup.png, <name>_tpot.png."""
 
 from __future__ import annotations
 

@@ -2,7 +2,9 @@
 overlay against the Kubernetes 1.32 schemas in strict mode, compose.yaml (and with the CPU
 override merged in) against the compose-spec schema and `docker-compose config`, the
 Dockerfile with hadolint; and every environment variable the manifests set for a specd
-container is one that container's entrypoint actually reads."""
+container is one that container's entrypoint actually reads.
+
+Over 350 lines: one test per property of the deployment files, all offline."""
 
 from __future__ import annotations
 

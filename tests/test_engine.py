@@ -1,3 +1,5 @@
+"""Over 350 lines: the engine contract (sync, truncate, eviction, numerics), one case each."""
+
 import hashlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path

@@ -1,6 +1,8 @@
 """The REST gateway, driven by the official `openai` client and by raw HTTP, against real
 servers on loopback (draft, target, coordinator with its gateway; a real Redis) with a tiny
-pair in float64: greedy text is the target's alone, token for token."""
+pair in float64: greedy text is the target's alone, token for token.
+
+Over 350 lines: the OpenAI surface field by field, one real deployment."""
 
 from __future__ import annotations
 
