@@ -222,6 +222,23 @@ def _vs_plain(configs: dict) -> str:
     return f"{adaptive:.1f} ({adaptive / plain:.2f})"
 
 
+def before_after(results: Path) -> str:
+    """The reference command on the code before this issue's refactors and removals and after,
+    one run each, back to back: tok/s per class (× llama-server plain in the same run)."""
+    rows = []
+    for name, label in (("ab21_before", "before"), ("ab21_after", "after")):
+        run = load(results, name)
+        for config, what in (("plain", "specd plain"), ("adaptive", "specd adaptive")):
+            cells = [_vs_llama(run["classes"][kind]["configs"], config) for kind in CLASSES]
+            rows.append([f"{what}, {label}", *cells])
+    return table(["tok/s (× llama-server plain)", *CLASSES], rows)
+
+
+def _vs_llama(configs: dict, config: str) -> str:
+    rate, llama = configs[config]["tokens_per_s"], configs["llama_plain"]["tokens_per_s"]
+    return f"{rate:.1f} ({rate / llama:.2f})"
+
+
 BLOCKS: dict[str, Callable[[Path], str]] = {
     "bench_q4_llama": llama("bench_q4_llama"),
     "bench_q4_llama_heldout": llama("bench_q4_llama_heldout"),
@@ -230,6 +247,7 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "chaos": chaos,
     "fallback": fallback,
     "ablation": ablation,
+    "before_after": before_after,
 }
 
 
