@@ -57,7 +57,7 @@ def is_measured(est: Estimates) -> bool:
 
 
 def predicted_speedup(est: Estimates, k: int) -> float:
-    """S(K) of the module docstring: plain rounds per second of speculative work. Needs
+    """S(K) of docs/policy.md: plain rounds per second of speculative work. Needs
     `is_measured(est)`."""
     plain_s = verify_time(est, 0)
     if est.draft_step_s is None or plain_s is None:
@@ -66,7 +66,7 @@ def predicted_speedup(est: Estimates, k: int) -> float:
 
 
 def round_time(est: Estimates, k: int) -> float:
-    """T(K) of the module docstring: one synchronous round with K drafts. Needs `is_measured(est)`."""
+    """T(K) of docs/policy.md: one synchronous round with K drafts. Needs `is_measured(est)`."""
     return k * est.draft_step_s + verify_time(est, k) + 2 * est.rtt_s
 
 

@@ -36,10 +36,9 @@ def inherit(prior: PolicyState) -> PolicyState:
 
 def next_k(state: PolicyState, config: PolicyConfig) -> int:
     """K for the coming round; 0 = a plain step. Plain rounds: the calibration of a fresh
-    state (see the module docstring) and plain mode between probes. A session's first drafting
-    round drafts at most the default K: the deployment's K was learned on another text (15
-    drafts after code cost prose a second of its first token), and one round of this text's own
-    acceptance decides the next K."""
+    state (docs/policy.md) and plain mode between probes. A session's first drafting round drafts
+    at most the default K: the deployment's K was learned on another text, and one round of this
+    text's own acceptance decides the next K."""
     if _calibrating(state):
         return 0
     if state.mode == PLAIN:
