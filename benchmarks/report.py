@@ -212,14 +212,9 @@ def ablation(results: Path) -> str:
     rows = []
     for name, label in ABLATIONS:
         run = load(results, name)
-        cells = [_vs_plain(run["classes"][kind]["configs"]) for kind in CLASSES]
+        cells = [_rate_against(run["classes"][kind]["configs"], "adaptive", "plain") for kind in CLASSES]
         rows.append([label, *cells, f"{run['concurrency']['concurrent_tokens_per_s']:.1f}"])
     return table(["adaptive K, tok/s (× plain)", *CLASSES, "8 concurrent, tok/s"], rows)
-
-
-def _vs_plain(configs: dict) -> str:
-    adaptive, plain = configs["adaptive"]["tokens_per_s"], configs["plain"]["tokens_per_s"]
-    return f"{adaptive:.1f} ({adaptive / plain:.2f})"
 
 
 def before_after(results: Path) -> str:
@@ -229,14 +224,15 @@ def before_after(results: Path) -> str:
     for name, label in (("ab21_before", "before"), ("ab21_after", "after")):
         run = load(results, name)
         for config, what in (("plain", "specd plain"), ("adaptive", "specd adaptive")):
-            cells = [_vs_llama(run["classes"][kind]["configs"], config) for kind in CLASSES]
+            cells = [_rate_against(run["classes"][kind]["configs"], config, "llama_plain") for kind in CLASSES]
             rows.append([f"{what}, {label}", *cells])
     return table(["tok/s (× llama-server plain)", *CLASSES], rows)
 
 
-def _vs_llama(configs: dict, config: str) -> str:
-    rate, llama = configs[config]["tokens_per_s"], configs["llama_plain"]["tokens_per_s"]
-    return f"{rate:.1f} ({rate / llama:.2f})"
+def _rate_against(configs: dict, config: str, reference: str) -> str:
+    """A configuration's tok/s and, in brackets, its ratio to another's in the same run."""
+    rate = configs[config]["tokens_per_s"]
+    return f"{rate:.1f} ({rate / configs[reference]['tokens_per_s']:.2f})"
 
 
 BLOCKS: dict[str, Callable[[Path], str]] = {
