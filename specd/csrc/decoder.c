@@ -1,0 +1,273 @@
+/* The decoder of the Llama family over GGUF weights as stored (specd/gguf_model.py drives it).
+ *
+ * One call runs a whole pass: embedding lookup, every layer, the final norm and the logits of the
+ * rows asked for. An architecture is a set of switches in gg_model / gg_layer (norm placement,
+ * q/k norms, rotary pairing, gate activation, sliding windows, soft-capping, embedding scale),
+ * filled from the GGUF metadata by specd/archs.py, never a second decoder.
+ *
+ * Batch invariance: every step treats a row on its own. Norms, rotary and activations are per row;
+ * the linears are specd_matmul (quants.h: a row's result does not depend on the rows beside it);
+ * attention runs one query row against exactly the keys a one-row step at that position sees. So
+ * row i of a K + 1-row verification, or of a pass shared with other sessions, is bit for bit the
+ * one-row step at that position.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "quants.h"
+
+typedef struct {
+    const float *attn_norm, *attn_post_norm, *ffn_norm, *ffn_post_norm; /* post norms: NULL unless the arch has them */
+    const float *q_norm, *k_norm;                                        /* per-head RMS norms before rotary, or NULL */
+    gg_linear q, k, v;    /* k.data == NULL: q is the fused q|k|v projection */
+    gg_linear o;
+    gg_linear gate, up;   /* up.data == NULL: gate is the fused gate|up projection */
+    gg_linear down;
+    int64_t window;       /* a row sees the keys of the last `window` positions (itself included); 0: all */
+    int64_t rope_set;     /* which cos/sin table the layer rotates with */
+} gg_layer;
+
+typedef struct {
+    int64_t n_layers, hidden, heads, kv_heads, head_dim, intermediate, vocab;
+    int64_t rope_dims;    /* leading dimensions of a head that rotate */
+    int64_t rope_neox;    /* 1: pairs (i, i + rope_dims / 2); 0: pairs (2i, 2i + 1) */
+    int64_t gelu;         /* gate activation: 1 gelu (tanh form), 0 silu */
+    float eps, attn_scale, attn_softcap, final_softcap, embed_scale; /* softcaps 0: none */
+    const float *out_norm;
+    gg_linear embed, out;
+    const gg_layer *layers;
+} gg_model;
+
+/* Where a row's session keeps its keys and values ([layers, kv_heads, capacity, head_dim] float32)
+ * and how many positions come before the row (its rotary position; where its own key goes). */
+typedef struct {
+    float *keys, *values;
+    int64_t capacity, position;
+} gg_row;
+
+/* One float row per activation format, quantised on demand: q, k and v (or gate and up) may be
+ * stored in types that multiply different formats, and each format is made once per input. */
+typedef struct {
+    const float *x;
+    int64_t M, K;
+    void *buf[3];
+    int ready[3];
+} acts;
+
+static void acts_reset(acts *a, const float *x, int64_t M, int64_t K)
+{
+    a->x = x, a->M = M, a->K = K;
+    memset(a->ready, 0, sizeof a->ready);
+}
+
+static const void *acts_for(acts *a, int64_t act, int threads)
+{
+    if (!a->ready[act]) {
+        specd_quantize_rows(a->x, a->M, a->K, act, a->buf[act], threads);
+        a->ready[act] = 1;
+    }
+    return a->buf[act];
+}
+
+static void linear(const gg_linear *w, acts *a, float *y, int threads)
+{
+    specd_matmul(w, acts_for(a, specd_act_of(w->type), threads), a->M, y, threads);
+}
+
+/* out = x * rsqrt(mean(x^2) + eps) * w over one row of K values (sums in index order). */
+static void rms_norm(const float *x, const float *w, int64_t K, float eps, float *out)
+{
+    float squares = 0.0f;
+    for (int64_t k = 0; k < K; k++) squares += x[k] * x[k];
+    const float scale = 1.0f / sqrtf(squares / (float)K + eps);
+    for (int64_t k = 0; k < K; k++) out[k] = x[k] * scale * w[k];
+}
+
+static void rotate(float *x, const float *cos, const float *sin, int64_t dims, int64_t neox)
+{
+    const int64_t half = dims / 2;
+    for (int64_t i = 0; i < half; i++) {
+        const int64_t a = neox ? i : 2 * i, b = neox ? i + half : 2 * i + 1;
+        const float x0 = x[a], x1 = x[b];
+        x[a] = x0 * cos[i] - x1 * sin[i];
+        x[b] = x1 * cos[i] + x0 * sin[i];
+    }
+}
+
+static inline float hsum256(__m256 v)
+{
+    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+}
+
+/* One query head against keys and values [L, dim] (the row's window, its own last). */
+static void attend(const float *q, const float *k, const float *v, int64_t L, int64_t dim, float scale, float cap,
+                   float *p, float *out)
+{
+    float top = -INFINITY;
+    for (int64_t j = 0; j < L; j++) {
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t i = 0; i < dim; i += 8)
+            acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(k + j * dim + i), acc);
+        float s = hsum256(acc) * scale;
+        if (cap > 0.0f) s = cap * tanhf(s / cap);
+        p[j] = s;
+        top = fmaxf(top, s);
+    }
+    float total = 0.0f;
+    for (int64_t j = 0; j < L; j++) {
+        p[j] = expf(p[j] - top);
+        total += p[j];
+    }
+    for (int64_t i = 0; i < dim; i += 8) {
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t j = 0; j < L; j++) acc = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(v + j * dim + i), acc);
+        _mm256_storeu_ps(out + i, _mm256_div_ps(acc, _mm256_set1_ps(total)));
+    }
+}
+
+static inline float gate_act(float g, int64_t gelu)
+{
+    if (gelu) return 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)));
+    return g / (1.0f + expf(-g));
+}
+
+static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+
+/* The largest activation buffer a pass needs, per format, for R rows of at most K values. */
+static void acts_alloc(acts *a, int64_t R, int64_t K)
+{
+    for (int64_t act = 0; act < 3; act++) a->buf[act] = malloc(specd_act_row_bytes(act, K) * R + 64);
+}
+
+static void acts_free(acts *a)
+{
+    for (int act = 0; act < 3; act++) free(a->buf[act]);
+}
+
+/* Attention block of one layer over R rows: h holds the normed input; out receives o's output. */
+static void attention(const gg_model *m, const gg_layer *L, int64_t l, acts *a, int64_t R, const gg_row *rows,
+                      const float *cos, const float *sin, float *qkv, float *att, float *out, int threads)
+{
+    const int64_t dim = m->head_dim, Q = m->heads * dim, KV = m->kv_heads * dim, N = Q + 2 * KV;
+    if (L->k.data == NULL) {
+        linear(&L->q, a, qkv, threads);
+    } else {
+        float *part = malloc(sizeof(float) * R * Q);
+        const gg_linear *w[3] = {&L->q, &L->k, &L->v};
+        const int64_t offset[3] = {0, Q, Q + KV}, width[3] = {Q, KV, KV};
+        for (int i = 0; i < 3; i++) {
+            linear(w[i], a, part, threads);
+            for (int64_t r = 0; r < R; r++) memcpy(qkv + r * N + offset[i], part + r * width[i], sizeof(float) * width[i]);
+        }
+        free(part);
+    }
+    const int64_t half = m->rope_dims / 2;
+    for (int64_t r = 0; r < R; r++) {
+        float *x = qkv + r * N;
+        for (int64_t h = 0; h < m->heads + m->kv_heads; h++) {
+            float *head = x + h * dim;
+            const float *w = h < m->heads ? L->q_norm : L->k_norm;
+            if (w) rms_norm(head, w, dim, m->eps, head);
+            rotate(head, cos + (L->rope_set * R + r) * half, sin + (L->rope_set * R + r) * half, m->rope_dims, m->rope_neox);
+        }
+        const gg_row *row = rows + r;
+        for (int64_t h = 0; h < m->kv_heads; h++) {
+            const int64_t at = ((l * m->kv_heads + h) * row->capacity + row->position) * dim;
+            memcpy(row->keys + at, x + Q + h * dim, sizeof(float) * dim);
+            memcpy(row->values + at, x + Q + KV + h * dim, sizeof(float) * dim);
+        }
+    }
+    int64_t longest = 0;
+    for (int64_t r = 0; r < R; r++) longest = max64(longest, rows[r].position + 1);
+    const int64_t group = m->heads / m->kv_heads;
+#pragma omp parallel num_threads(threads)
+    {
+        float *p = malloc(sizeof(float) * (longest + 8));
+#pragma omp for schedule(static)
+        for (int64_t rh = 0; rh < R * m->heads; rh++) {
+            const int64_t r = rh / m->heads, h = rh % m->heads;
+            const gg_row *row = rows + r;
+            const int64_t first = L->window > 0 ? max64(0, row->position + 1 - L->window) : 0;
+            const int64_t base = ((l * m->kv_heads + h / group) * row->capacity + first) * dim;
+            attend(qkv + r * N + h * dim, row->keys + base, row->values + base, row->position + 1 - first, dim,
+                   m->attn_scale, m->attn_softcap, p, att + rh * dim);
+        }
+        free(p);
+    }
+    acts b;
+    b.buf[0] = a->buf[0], b.buf[1] = a->buf[1], b.buf[2] = a->buf[2];
+    acts_reset(&b, att, R, Q);
+    linear(&L->o, &b, out, threads);
+}
+
+/* Feed-forward block: h holds the normed input; out receives down's output. */
+static void feed_forward(const gg_model *m, const gg_layer *L, acts *a, int64_t R, float *gate_up, float *mid,
+                         float *out, int threads)
+{
+    const int64_t I = m->intermediate;
+    if (L->up.data == NULL) {
+        linear(&L->gate, a, gate_up, threads);
+    } else {
+        float *part = malloc(sizeof(float) * R * I);
+        linear(&L->gate, a, part, threads);
+        for (int64_t r = 0; r < R; r++) memcpy(gate_up + r * 2 * I, part + r * I, sizeof(float) * I);
+        linear(&L->up, a, part, threads);
+        for (int64_t r = 0; r < R; r++) memcpy(gate_up + r * 2 * I + I, part + r * I, sizeof(float) * I);
+        free(part);
+    }
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t i = 0; i < I; i++) mid[r * I + i] = gate_act(gate_up[r * 2 * I + i], m->gelu) * gate_up[r * 2 * I + I + i];
+    acts b;
+    b.buf[0] = a->buf[0], b.buf[1] = a->buf[1], b.buf[2] = a->buf[2];
+    acts_reset(&b, mid, R, I);
+    linear(&L->down, &b, out, threads);
+}
+
+/* hidden += post_norm(y) (or y when the arch has no post norm), row by row. */
+static void residual(float *hidden, float *y, const float *post_norm, int64_t R, int64_t H, float eps)
+{
+    for (int64_t r = 0; r < R; r++) {
+        if (post_norm) rms_norm(y + r * H, post_norm, H, eps, y + r * H);
+        for (int64_t i = 0; i < H; i++) hidden[r * H + i] += y[r * H + i];
+    }
+}
+
+/* A pass over R rows (tokens [R], each row's cache in rows [R]; cos / sin [sets, R, rope_dims / 2]):
+ * writes each new key and value into its row's cache and the logits of rows keep [n_keep] into
+ * logits [n_keep, vocab]. */
+void specd_forward(const gg_model *m, const int64_t *tokens, int64_t R, const gg_row *rows, const float *cos,
+                   const float *sin, const int64_t *keep, int64_t n_keep, float *logits, int threads)
+{
+    const int64_t H = m->hidden, I = m->intermediate, Q = m->heads * m->head_dim;
+    const int64_t N = Q + 2 * m->kv_heads * m->head_dim, widest = max64(max64(H, I), Q);
+    float *hidden = malloc(sizeof(float) * R * H), *h = malloc(sizeof(float) * R * widest);
+    float *y = malloc(sizeof(float) * R * H), *qkv = malloc(sizeof(float) * R * N), *att = malloc(sizeof(float) * R * Q);
+    float *gate_up = malloc(sizeof(float) * R * 2 * I), *mid = malloc(sizeof(float) * R * I);
+    acts a;
+    acts_alloc(&a, R, widest);
+    specd_dequantize_rows(&m->embed, tokens, R, hidden);
+    if (m->embed_scale != 1.0f)
+        for (int64_t i = 0; i < R * H; i++) hidden[i] *= m->embed_scale;
+    for (int64_t l = 0; l < m->n_layers; l++) {
+        const gg_layer *L = m->layers + l;
+        for (int64_t r = 0; r < R; r++) rms_norm(hidden + r * H, L->attn_norm, H, m->eps, h + r * H);
+        acts_reset(&a, h, R, H);
+        attention(m, L, l, &a, R, rows, cos, sin, qkv, att, y, threads);
+        residual(hidden, y, L->attn_post_norm, R, H, m->eps);
+        for (int64_t r = 0; r < R; r++) rms_norm(hidden + r * H, L->ffn_norm, H, m->eps, h + r * H);
+        acts_reset(&a, h, R, H);
+        feed_forward(m, L, &a, R, gate_up, mid, y, threads);
+        residual(hidden, y, L->ffn_post_norm, R, H, m->eps);
+    }
+    for (int64_t i = 0; i < n_keep; i++) rms_norm(hidden + keep[i] * H, m->out_norm, H, m->eps, h + i * H);
+    acts_reset(&a, h, n_keep, H);
+    linear(&m->out, &a, logits, threads);
+    if (m->final_softcap > 0.0f)
+        for (int64_t i = 0; i < n_keep * m->vocab; i++) logits[i] = m->final_softcap * tanhf(logits[i] / m->final_softcap);
+    acts_free(&a);
+    free(hidden), free(h), free(y), free(qkv), free(att), free(gate_up), free(mid);
+}

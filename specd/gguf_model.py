@@ -1,0 +1,252 @@
+"""A GGUF model served as stored: memory-mapped, every tensor in its file's type, run by one C call per pass.
+
+The file is mapped read-only (gguf.GGUFReader); the decoder (specd/csrc/decoder.c) reads the
+weights' blocks where they lie, so the process holds the file's pages and the KV caches, and no
+float32 copy of a quantised weight is ever made. Which architecture and hyper-parameters come
+from the metadata (specd/archs.py); which kernel multiplies a tensor comes from its type
+(specd/quants.py); the model code names neither.
+
+`forward` has `ragged.forward`'s contract: several sessions' new tokens in one pass, each
+session's result [keep, vocab]. Each row is computed as a one-row step at its position would
+compute it (see decoder.c), so a verification's rows equal plain steps bit for bit.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGUFReader
+
+from specd import archs, native, quants
+from specd.archs import HyperParams
+
+Linear = native.Linear
+
+
+def is_gguf(path: Path | str) -> bool:
+    """A GGUF file (by its magic), as opposed to a Hugging Face directory."""
+    path = Path(path)
+    if not path.is_file():
+        return False
+    with path.open("rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_void_p) for name in
+                ("attn_norm", "attn_post_norm", "ffn_norm", "ffn_post_norm", "q_norm", "k_norm")] + \
+               [(name, Linear) for name in ("q", "k", "v", "o", "gate", "up", "down")] + \
+               [("window", ctypes.c_int64), ("rope_set", ctypes.c_int64)]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_int64) for name in
+                ("n_layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "vocab", "rope_dims",
+                 "rope_neox", "gelu")] + \
+               [(name, ctypes.c_float) for name in ("eps", "attn_scale", "attn_softcap", "final_softcap",
+                                                    "embed_scale")] + \
+               [("out_norm", ctypes.c_void_p), ("embed", Linear), ("out", Linear),
+                ("layers", ctypes.POINTER(_Layer))]
+
+
+class _Row(ctypes.Structure):
+    _fields_ = [("keys", ctypes.c_void_p), ("values", ctypes.c_void_p), ("capacity", ctypes.c_int64),
+                ("position", ctypes.c_int64)]
+
+
+class GGUFModel:
+    """The decoder of a GGUF file: `forward(caches, inputs, keep)` as `ragged.forward`."""
+
+    def __init__(self, path: Path | str, march: str = native.NATIVE):
+        self.path = Path(path)
+        self._reader = GGUFReader(self.path, "r")  # memory-mapped: the tensors below are views of the file
+        self._fields = self._reader.fields
+        self.architecture = self.metadata("general.architecture")
+        self.spec = archs.arch_of(self.architecture)
+        self.hp: HyperParams = archs.hyper_params(self.architecture, self.metadata)
+        self._tensors = {t.name: t for t in self._reader.tensors}
+        self._library = _declare(native.library(march))
+        self._layers = (_Layer * self.hp.layers)(*(self._layer(i) for i in range(self.hp.layers)))
+        embed = self._linear("token_embd.weight")
+        out = self._linear("output.weight", optional=True) or embed  # tied embeddings
+        self.vocab_size = int(embed.N)
+        hp = self.hp
+        self._model = _Model(hp.layers, hp.hidden, hp.heads, hp.kv_heads, hp.head_dim, hp.intermediate,
+                             int(out.N), hp.rope_dims, int(self.spec.rope_neox), int(self.spec.gelu), hp.eps,
+                             hp.attn_scale, hp.attn_softcap, hp.final_softcap,
+                             hp.hidden**0.5 if self.spec.embed_scale else 1.0,
+                             self._norm("output_norm.weight"), embed, out, self._layers)
+        self._rope = self._rope_tables()
+
+    # -- metadata and tensors ---------------------------------------------------------------
+
+    def metadata(self, key: str, default=None):
+        field = self._fields.get(key)
+        return default if field is None else field.contents()
+
+    def tensor_types(self) -> list[str]:
+        """The stored types of the file's tensors, most numerous first (for logs and health)."""
+        counts: dict[str, int] = {}
+        for tensor in self._tensors.values():
+            counts[tensor.tensor_type.name] = counts.get(tensor.tensor_type.name, 0) + 1
+        return [f"{n} {name}" for name, n in sorted(counts.items(), key=lambda kv: -kv[1])]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the weights as stored (what serving them maps)."""
+        return sum(int(t.n_bytes) for t in self._tensors.values())
+
+    def _tensor(self, name: str, optional: bool = False):
+        tensor = self._tensors.get(name)
+        if tensor is None and not optional:
+            raise ValueError(f"{self.path.name}: no tensor {name!r}, which {self.architecture!r} needs")
+        return tensor
+
+    def _norm(self, name: str, optional: bool = False) -> int | None:
+        tensor = self._tensor(name, optional)
+        if tensor is None:
+            return None
+        if tensor.data.dtype != np.float32:
+            raise ValueError(f"{name}: norm weights must be F32, got {tensor.tensor_type.name}")
+        return tensor.data.ctypes.data
+
+    def _linear(self, name: str, optional: bool = False, bias: str | None = None) -> Linear | None:
+        tensor = self._tensor(name, optional)
+        if tensor is None:
+            return None
+        kind = quants.quant_type(int(tensor.tensor_type), name)
+        K, N = (int(d) for d in tensor.shape[:2])  # GGUF lists the fastest dimension first
+        if K % kind.block:
+            raise ValueError(f"{name}: {K} inputs are not whole {kind.name} blocks of {kind.block}")
+        b = self._norm(bias, optional=True) if bias else None
+        return Linear(tensor.data.ctypes.data, int(tensor.tensor_type), N, K, b)
+
+    def _layer(self, i: int) -> _Layer:
+        t = lambda role: f"blk.{i}.{role}.weight"  # noqa: E731
+        fused_qkv = t("attn_qkv") in self._tensors
+        fused_ffn = t("ffn_gate") not in self._tensors
+        empty = Linear(None, 0, 0, 0, None)
+        q = self._linear(t("attn_qkv") if fused_qkv else t("attn_q"), bias=f"blk.{i}.attn_q.bias")
+        k = empty if fused_qkv else self._linear(t("attn_k"), bias=f"blk.{i}.attn_k.bias")
+        v = empty if fused_qkv else self._linear(t("attn_v"), bias=f"blk.{i}.attn_v.bias")
+        gate = self._linear(t("ffn_up") if fused_ffn else t("ffn_gate"))
+        up = empty if fused_ffn else self._linear(t("ffn_up"))
+        post = self.spec.post_norms
+        return _Layer(self._norm(t("attn_norm")), self._norm(t("post_attention_norm")) if post else None,
+                      self._norm(t("ffn_norm")), self._norm(t("post_ffw_norm")) if post else None,
+                      self._norm(t("attn_q_norm"), optional=True), self._norm(t("attn_k_norm"), optional=True),
+                      q, k, v, self._linear(t("attn_output")), gate, up, self._linear(t("ffn_down")),
+                      self.hp.window if self.hp.sliding(i) else 0, self._rope_set(i))
+
+    # -- rotary -----------------------------------------------------------------------------
+
+    def _rope_keys(self) -> list[tuple[float, float]]:
+        return sorted({(self.hp.rope_base_of(i), self.hp.rope_scale_of(i)) for i in range(self.hp.layers)})
+
+    def _rope_set(self, layer: int) -> int:
+        return self._rope_keys().index((self.hp.rope_base_of(layer), self.hp.rope_scale_of(layer)))
+
+    def _rope_tables(self) -> list[torch.Tensor]:
+        """Per rotary set, the inverse frequencies [rope_dims / 2] (as transformers computes them)."""
+        dims = self.hp.rope_dims
+        factors = self._tensor("rope_freqs.weight", optional=True)  # Llama 3.x's long-context factors
+        tables = []
+        for base, scale in self._rope_keys():
+            inv = 1.0 / (base ** (torch.arange(0, dims, 2, dtype=torch.int64).float() / dims))
+            if factors is not None:
+                inv = inv / torch.from_numpy(np.array(factors.data, dtype=np.float32))
+            tables.append(inv / scale)
+        return tables
+
+    def _cos_sin(self, positions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        at = torch.tensor(positions, dtype=torch.float32)[:, None]
+        freqs = torch.stack([at * inv[None] for inv in self._rope])  # [sets, R, rope_dims / 2]
+        return freqs.cos().contiguous(), freqs.sin().contiguous()
+
+    # -- the pass -----------------------------------------------------------------------------
+
+    def new_cache(self) -> "KVCache":
+        return KVCache(self.hp.layers, self.hp.kv_heads, self.hp.head_dim)
+
+    @torch.inference_mode()
+    def forward(self, caches: Sequence["KVCache"], inputs: Sequence[Sequence[int]],
+                keep: Sequence[int]) -> list[torch.Tensor]:
+        """Per sequence i: feed inputs[i] after caches[i]'s positions; return the logits of its
+        last keep[i] rows, [keep[i], vocab] float32."""
+        pasts = [cache.get_seq_length() for cache in caches]
+        tokens = [t for x in inputs for t in x]
+        positions = [p for past, x in zip(pasts, inputs) for p in range(past, past + len(x))]
+        for cache, past, x in zip(caches, pasts, inputs):
+            cache.reserve(past + len(x))
+        rows = (_Row * len(tokens))(*(_Row(c.keys.data_ptr(), c.values.data_ptr(), c.capacity, past + j)
+                                      for c, past, x in zip(caches, pasts, inputs) for j in range(len(x))))
+        ends = np.cumsum([len(x) for x in inputs])
+        kept = [r for end, k in zip(ends, keep) for r in range(end - k, end)]
+        cos, sin = self._cos_sin(positions)
+        ids = torch.tensor(tokens, dtype=torch.int64)
+        picked = torch.tensor(kept, dtype=torch.int64)
+        logits = torch.empty(len(kept), self._model.vocab)
+        self._library.specd_forward(ctypes.byref(self._model), ids.data_ptr(), len(tokens), rows, cos.data_ptr(),
+                                    sin.data_ptr(), picked.data_ptr(), len(kept), logits.data_ptr(),
+                                    torch.get_num_threads())
+        for cache, past, x in zip(caches, pasts, inputs):
+            cache.extend(past + len(x))
+        return list(logits.split(list(keep)))
+
+
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    pointer, size = ctypes.c_void_p, ctypes.c_int64
+    lib.specd_forward.argtypes = [ctypes.POINTER(_Model), pointer, size, ctypes.POINTER(_Row), pointer, pointer,
+                                  pointer, size, pointer, ctypes.c_int]
+    lib.specd_forward.restype = None
+    return lib
+
+
+class KVCache:
+    """One sequence's keys and values, each [layers, kv_heads, capacity, head_dim] float32, grown by
+    doubling; the first `length` positions are the cache. Rollback is `crop` (bookkeeping only)."""
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, capacity: int = 64):
+        self.length = 0
+        self.keys = torch.empty(layers, kv_heads, capacity, head_dim)
+        self.values = torch.empty(layers, kv_heads, capacity, head_dim)
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[2]
+
+    def tensor_types(self) -> list[str]:
+        """The stored types of the file's tensors, most numerous first (for logs and health)."""
+        counts: dict[str, int] = {}
+        for tensor in self._tensors.values():
+            counts[tensor.tensor_type.name] = counts.get(tensor.tensor_type.name, 0) + 1
+        return [f"{n} {name}" for name, n in sorted(counts.items(), key=lambda kv: -kv[1])]
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.keys.numel() * self.keys.element_size()
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def crop(self, max_length: int) -> None:
+        """As DynamicCache.crop: keep max_length positions, or drop -max_length when negative."""
+        self.length = max(0, self.length + max_length) if max_length < 0 else min(self.length, max_length)
+
+    def extend(self, length: int) -> None:
+        self.length = length
+
+    def reserve(self, needed: int) -> None:
+        """Room for `needed` positions (the forward writes the new ones in place)."""
+        if needed <= self.capacity:
+            return
+        capacity = max(needed, 2 * self.capacity)
+        for name in ("keys", "values"):
+            old = getattr(self, name)
+            new = torch.empty(old.shape[0], old.shape[1], capacity, old.shape[3])
+            new[:, :, : self.length] = old[:, :, : self.length]
+            setattr(self, name, new)

@@ -1,0 +1,96 @@
+"""specd's C library (specd/csrc): the GGUF block kernels and the decoder, built once per source and CPU.
+
+Compiled with the C compiler on PATH and `-march=native` (AVX-512 VNNI where the CPU has it, else
+AVX2) into the kernel cache directory; `available()` says why not when it cannot be built, and the
+engine then refuses the GGUF path with that reason. `-ffp-contract=off` keeps every float sum in the
+order the source writes it: the kernels' batch invariance rests on that.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = ("quants.c", "decoder.c")
+FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
+NATIVE = "native"  # -march: this CPU's widest path; "haswell" builds the AVX2 path (tests run both)
+
+
+def available() -> str | None:
+    """None when the library builds and loads here, else why not."""
+    try:
+        library()
+    except (OSError, RuntimeError) as error:
+        return str(error)
+    return None
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("SPECD_KERNEL_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "specd" / "kernels"
+
+
+def cpu_flags() -> str:
+    try:
+        return next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return platform.processor()
+
+
+@lru_cache(maxsize=None)
+def library(march: str = NATIVE) -> ctypes.CDLL:
+    """The loaded library for `march`, built first when this source and CPU have no cached copy."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        raise RuntimeError(f"specd's kernels are written for x86-64 (AVX2), not {platform.machine()}")
+    if "avx2" not in cpu_flags() or "fma" not in cpu_flags():
+        raise RuntimeError("specd's kernels need a CPU with AVX2 and FMA")
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise RuntimeError("no C compiler (cc/gcc) on PATH to build specd's kernels: apt-get install gcc")
+    sources = [CSRC / name for name in SOURCES]
+    flags = [f"-march={march}", *FLAGS]
+    digest = hashlib.sha256(b"".join(s.read_bytes() for s in [*sources, CSRC / "quants.h"]))
+    digest.update((" ".join(flags) + cpu_flags()).encode())
+    path = cache_dir() / f"specd-{march}-{digest.hexdigest()[:16]}.so"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+            built = Path(tmp) / path.name
+            done = subprocess.run([compiler, *flags, *map(str, sources), "-lm", "-o", str(built)],
+                                  capture_output=True, text=True)
+            if done.returncode != 0:
+                raise RuntimeError(f"building specd's kernels failed:\n{done.stderr[-2000:]}")
+            built.replace(path)  # atomic: a concurrent builder finds a whole file or none
+    import torch  # noqa: F401  (its OpenMP runtime, same soname, is the one the kernels join)
+
+    return _declare(ctypes.CDLL(str(path)))
+
+
+class Linear(ctypes.Structure):
+    """gg_linear (quants.h): a weight as stored."""
+
+    _fields_ = [("data", ctypes.c_void_p), ("type", ctypes.c_int64), ("N", ctypes.c_int64), ("K", ctypes.c_int64),
+                ("bias", ctypes.c_void_p)]
+
+
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    pointer, size = ctypes.c_void_p, ctypes.c_int64
+    signatures = {
+        "specd_act_of": ([size], ctypes.c_int),
+        "specd_act_row_bytes": ([size, size], size),
+        "specd_quantize_rows": ([pointer, size, size, size, pointer, ctypes.c_int], None),
+        "specd_matmul": ([ctypes.POINTER(Linear), pointer, size, pointer, ctypes.c_int], None),
+        "specd_dequantize_rows": ([ctypes.POINTER(Linear), pointer, size, pointer], None),
+    }
+    for name, (args, result) in signatures.items():
+        function = getattr(lib, name)
+        function.argtypes, function.restype = args, result
+    return lib
