@@ -52,7 +52,6 @@ from typing import Iterator
 import grpc
 import torch
 from tqdm import tqdm
-from transformers import AutoTokenizer
 from transformers.generation.streamers import BaseStreamer
 
 from benchmarks import common, llama_server
@@ -103,20 +102,20 @@ class LosslessViolation(SystemExit):
 # --- prompts -------------------------------------------------------------------------------
 
 
-def load_prompts(target_dir: Path, per_class: int, path: Path = PROMPTS) -> list[Prompt]:
-    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+def load_prompts(target: Path, per_class: int, path: Path = PROMPTS) -> list[Prompt]:
+    """Tokenised as the coordinator tokenises (a GGUF file or an HF directory alike)."""
+    model = load_model_info(target)
     prompts = []
     for kind, entries in json.loads(path.read_text()).items():
         for entry in entries[:per_class]:
-            prompts.append(Prompt(entry["name"], kind, tuple(_tokenize(tokenizer, entry))))
+            prompts.append(Prompt(entry["name"], kind, tuple(_tokenize(model, entry))))
     return prompts
 
 
-def _tokenize(tokenizer, entry: dict) -> list[int]:
+def _tokenize(model, entry: dict) -> list[int]:
     if "messages" in entry:  # chat: the template the REST chat endpoint applies too
-        ids = tokenizer.apply_chat_template(entry["messages"], add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-    return tokenizer.encode(entry["text"], add_special_tokens=False)
+        return model.chat_prompt(entry["messages"])
+    return model.encode(entry["text"])
 
 
 # --- Hugging Face assisted generation, in process -----------------------------------------
@@ -288,7 +287,7 @@ def coordinator(cfg: BenchConfig, draft_dir: Path, target_dir: Path) -> Iterator
         with grpc.insecure_channel(cfg.address) as channel:
             yield coordinator_pb2_grpc.CoordinatorStub(channel), dict  # remote services: memory unknown
         return
-    flags = ("--draft-model-dir", str(draft_dir), "--target-model-dir", str(target_dir), *cfg.up_flags)
+    flags = ("--draft-model", str(draft_dir), "--target-model", str(target_dir), *cfg.up_flags)
     with specd_up(*flags) as up:
         yield up.stub, up.rss
 
@@ -430,6 +429,9 @@ def _positive(value: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if "--quality" in (sys.argv[1:] if argv is None else argv):  # perplexity and agreement: benchmarks/quality.py
+        from benchmarks import quality
+        return quality.main(sys.argv[1:] if argv is None else list(argv))
     parser = argparse.ArgumentParser(prog="specd bench", description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=64, help="new tokens per request")
     parser.add_argument("--ks", default="1,2,4,8", help="fixed K values to compare (1..8)")
@@ -438,8 +440,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=_positive, default=1, help="runs of every HF and service configuration, "
                         "interleaved; figures pool them")
     parser.add_argument("--address", help="coordinator host:port of running services (default: start specd up)")
-    parser.add_argument("--draft-model-dir", type=Path, help="default: the fetched draft")
-    parser.add_argument("--target-model-dir", type=Path, help="default: the fetched target")
+    parser.add_argument("--draft-model", "--draft-model-dir", type=Path,
+                        help="a GGUF file or HF directory (default: the fetched draft; --draft-model-dir: the old name)")
+    parser.add_argument("--target-model", "--target-model-dir", type=Path,
+                        help="a GGUF file or HF directory (default: the fetched target; --target-model-dir: the old name)")
     parser.add_argument("--no-hf", action="store_true", help="skip Hugging Face assisted generation")
     parser.add_argument("--name", default="bench", help="result name under benchmarks/results/")
     parser.add_argument("--draft-threads", type=int, help="torch threads of the draft service (default: all cores)")
@@ -468,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = BenchConfig(
         tokens=args.tokens, ks=tuple(int(k) for k in args.ks.split(",")), prompts_per_class=args.prompts_per_class,
         concurrency=args.concurrency, repeats=args.repeats, address=args.address, up_flags=up_flags,
-        draft_dir=args.draft_model_dir, target_dir=args.target_model_dir, hf=not args.no_hf, name=args.name,
+        draft_dir=args.draft_model, target_dir=args.target_model, hf=not args.no_hf, name=args.name,
         llama_server=args.llama_server, threads=args.target_threads or os.cpu_count() or 1, prompts=args.prompts,
     )
     result = run(cfg)

@@ -165,7 +165,7 @@ def _free(port: int) -> bool:
 
 def _specd_up(draft_dir: Path, target_dir: Path, redis_url: str, ports: dict[str, int], log: Path) -> subprocess.Popen:
     command = [sys.executable, "-m", "services.cli", "up", "--draft-replicas", "2", "--target-replicas", "2",
-               "--draft-model-dir", str(draft_dir), "--target-model-dir", str(target_dir),
+               "--draft-model", str(draft_dir), "--target-model", str(target_dir),
                "--draft-quantize", "none", "--target-quantize", "none", "--redis-url", redis_url,
                "--coordinator-port", str(ports["coordinator"]), "--draft-port", str(ports["draft"]),
                "--target-port", str(ports["target"]), "--http-port", "-1",

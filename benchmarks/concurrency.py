@@ -32,7 +32,7 @@ from services.common.worker import Batching
 
 
 def measure(turns: str, cfg: BenchConfig, prompts, draft_dir, target_dir, up_flags: tuple[str, ...]) -> dict:
-    flags = ("--core-turns", turns, *up_flags, "--draft-model-dir", str(draft_dir), "--target-model-dir", str(target_dir))
+    flags = ("--core-turns", turns, *up_flags, "--draft-model", str(draft_dir), "--target-model", str(target_dir))
     with specd_up(*flags) as up, tqdm(total=2 * cfg.concurrency, unit="req", desc=f"turns {turns}") as bar:
         warm_up(up.stub, prompts[0])
         scaling = concurrency_runs(up.stub, cfg, prompts, bar)

@@ -44,12 +44,12 @@ def random_draft() -> str:
     out = default_models_dir() / "random-draft-0.5b"
     if (out / "model.safetensors").exists():
         return str(out)
-    real = fetch(roles=("draft",))["draft"]
+    real = fetch(None, ("draft",))["draft"]  # the GGUF file
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(real), dtype=torch.float32)
+    config = AutoConfig.from_pretrained(real.parent, gguf_file=real.name)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(out)
-    AutoTokenizer.from_pretrained(real).save_pretrained(out)
-    (out / "generation_config.json").write_text((real / "generation_config.json").read_text())
+    AutoTokenizer.from_pretrained(real.parent, gguf_file=real.name).save_pretrained(out)
     return str(out)
 
 
@@ -104,7 +104,7 @@ def main() -> None:
     args = parser.parse_args()
     fetch()
     result = {"machine": machine(), "tokens": args.tokens, "repeats": args.repeats}
-    with specd_up("--draft-model-dir", random_draft()) as up:
+    with specd_up("--draft-model", random_draft()) as up:
         result["useless_draft"] = session_mix(up.stub, PROMPTS, args.tokens, args.repeats)
     result["useless_draft_overall_ratio"] = overall(result["useless_draft"])
     with specd_up() as up:  # the first code request starts with no learned prior

@@ -152,6 +152,53 @@ def goals(results: Path) -> str:
     return table(["goal", "reference prompts", "held-out prompts", "met"], rows)
 
 
+# -- quality (specd bench --quality) --------------------------------------------------------------
+
+ENGINES = {"float32": "float32 (transformers, dequantised)", "specd": "specd (GGUF engine)", "llama.cpp": "llama.cpp"}
+
+
+def _share(value: float | None) -> str:
+    return "–" if value is None else f"{value * 100:.1f} %"
+
+
+def _goal_verdict(met: bool | None) -> str:
+    return {True: "met", False: "not met", None: "not measured"}[met]
+
+
+def quality(name: str) -> Callable[[Path], str]:
+    """Per text and engine: perplexity, its ratio to float32's, argmax agreement with float32 (every
+    scored position; the positions asked of llama-server); then the issue's goals."""
+    def render(results: Path) -> str:
+        run = load(results, name)
+        model, settings = run["model"], run["settings"]
+        first, stop = settings["scored_rows"]
+        head = para(f"`results/{name}.json`: `{model['file']}` ({model['architecture']}; "
+                    f"{', '.join(model['tensor_types'])}; sha256 {model['sha256']}…), chunks of {settings['ctx']} "
+                    f"tokens, rows {first}–{stop - 1} of each scored; llama.cpp's argmax at {settings['sample']} "
+                    f"seeded positions per text; {run['machine']['cpu']}, {run['machine']['threads']} threads, "
+                    f"{run['date'][:10]}; {run['duration_s'] / 60:.1f} min.") + "\n"
+        rows = []
+        for text_name, text in run["texts"].items():
+            label = f"{text_name} ({text['tokens']} tokens, {text['positions']} positions)"
+            for i, (engine, e) in enumerate(text["engines"].items()):
+                ratio = "–" if e["ratio"] is None else f"{e['ratio']:.4f}"
+                rows.append([label if i == 0 else "", ENGINES.get(engine, engine), f"{e['perplexity']:.4f}", ratio,
+                             _share(e["agreement"]), _share(e["agreement_sample"])])
+        body = table(["text", "engine", "perplexity", "× float32", "argmax = float32's",
+                      f"same, at the {settings['sample']} sampled"], rows)
+        llama = [t["engines"]["llama.cpp"] for t in run["texts"].values() if "llama.cpp" in t["engines"]]
+        notes = []
+        if llama:
+            same = all(e["tokens_match"] for e in llama)
+            tokens = "every text to the same ids as specd" if same else "a text differently from specd"
+            shares = ", ".join(_share(e["specd_same_argmax_sample"]) for e in llama)
+            notes.append(f"llama.cpp tokenised {tokens} (llama-server's /tokenize); specd and llama.cpp chose the "
+                         f"same token at {shares} of the sampled positions.")
+        notes += [f"Goal: {g['goal']}: {_goal_verdict(g['met'])}." for g in run["goals"]]
+        return head + body + "\n" + "\n".join(para(n) for n in notes)
+    return render
+
+
 # -- the other benchmarks -------------------------------------------------------------------------
 
 def rows_q4(results: Path) -> str:

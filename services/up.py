@@ -92,7 +92,7 @@ def commands(
                 cmd += ["--batch-wait", str(args.batch_wait)]
             commands[f"{role}-{i}"] = cmd + (["--tls-dir", str(tls_dir)] if tls_dir else [])
     coordinator = [
-        *("-m", "services.coordinator", "--model-dir", str(paths["target"])),
+        *("-m", "services.coordinator", "--model", str(paths["target"])),
         *("--host", args.host, "--port", str(args.coordinator_port), "--default-k", str(args.default_k)),
         *("--inject-rtt-ms", str(args.inject_rtt_ms)),
         *("--draft-addr", ",".join(addr["draft"]), "--target-addr", ",".join(addr["target"])),
@@ -149,8 +149,8 @@ def without_password(url: str) -> str:
     return f"{scheme}{sep}{rest.split('@', 1)[1]}" if "@" in rest else url
 
 
-def _model_service(args: argparse.Namespace, role: str, model_dir: Path, port: int) -> list[str]:
-    cmd = ["-m", f"services.{role}", "--model-dir", str(model_dir), "--host", args.host]
+def _model_service(args: argparse.Namespace, role: str, model: Path, port: int) -> list[str]:
+    cmd = ["-m", f"services.{role}", "--model", str(model), "--host", args.host]
     cmd += ["--port", str(port), "--quantize", getattr(args, f"{role}_quantize")]
     threads = getattr(args, f"{role}_threads")
     return cmd + (["--threads", str(threads)] if threads else [])

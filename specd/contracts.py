@@ -153,6 +153,8 @@ class EngineInfo:
     quantize: str  # its setting: one of those, or auto
     invariant: bool  # passed the batch-invariance self-check on its host
     reason: str  # why this mode
+    vocab_digest: str = ""  # sha256 of the vocabulary (specd/gguf_meta.py); "": unknown, not checked
+    model: str = ""  # the model it loaded (file or directory name)
 
 
 @dataclass(frozen=True)

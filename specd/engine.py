@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, GenerationConfig
 
-from specd import fused, kernels, numerics, qwen2, ragged
+from specd import fused, gguf_model, kernels, numerics, qwen2, ragged
 from specd.contracts import ContextTooLong, EngineError, PositionMismatch, SessionsFull  # noqa: F401 (raised here)
 
 DTYPES = {
@@ -77,6 +77,35 @@ class ModelEngine:
         if config.threads is not None:
             torch.set_num_threads(config.threads)
         self.config = config
+        self.model, self._native, self._fused = None, None, None
+        if gguf_model.is_gguf(config.model_dir):
+            self._load_gguf(config)
+        else:
+            self._load_hf(config)
+        self.max_context: int = config.max_context or self._context
+        self.instance_id = uuid.uuid4().hex  # lets clients notice a restarted engine (all caches lost)
+        self._thread = threading.get_ident()  # the one thread that runs the model
+        self.evictions = 0
+        self._sessions: OrderedDict[str, _Session] = OrderedDict()  # least recently used first
+
+    def _load_gguf(self, config: EngineConfig) -> None:
+        """The file's weights as stored, run by specd's decoder (specd/gguf_model.py)."""
+        if config.quantize not in ("none", "auto"):
+            raise ValueError(f"quantize={config.quantize!r} re-quantises a Hugging Face checkpoint; a GGUF file is "
+                             "served as stored (quantize none or auto)")
+        if torch.device(config.device).type != "cpu":
+            raise ValueError("a GGUF file runs on the CPU decoder; serve a Hugging Face directory on other devices")
+        self._native = gguf_model.GGUFModel(config.model_dir)
+        self.numerics = numerics.check_native(self._native)
+        self.hf_config = None
+        self._new_cache = self._native.new_cache
+        self.vocab_size: int = self._native.vocab_size
+        self.eos_token_ids: frozenset[int] = self._native.eos_token_ids
+        self.vocab_digest: str = self._native.vocab_digest
+        self._context = self._native.hp.context
+
+    def _load_hf(self, config: EngineConfig) -> None:
+        """A Hugging Face directory: dense weights through the stock modules, or the q4 re-quantisation."""
         on_cpu = torch.device(config.device).type == "cpu"
         hf_config = AutoConfig.from_pretrained(config.model_dir)
         if config.quantize not in ("none", "auto") and not on_cpu:
@@ -84,22 +113,18 @@ class ModelEngine:
         # auto off the CPU: the dense weights (the kernels chosen from are CPU kernels)
         requested = config.quantize if on_cpu else "none"
         self.numerics = numerics.choose((hf_config.intermediate_size, hf_config.hidden_size), requested)
-        self.model, self._q4, self._fused = None, None, None
         if self.numerics.mode == "q4":
-            self._q4 = qwen2.Q4Qwen2(config.model_dir)
+            self._native = qwen2.Q4Qwen2(config.model_dir)
             generation = GenerationConfig.from_pretrained(config.model_dir)
         else:
             self.model = self._dense(config, on_cpu)
             hf_config, generation = self.model.config, self.model.generation_config
         self.hf_config = hf_config
-        self._new_cache = self._q4.new_cache if self._q4 else lambda: DynamicCache(config=hf_config)
-        self.vocab_size: int = hf_config.vocab_size
-        self.eos_token_ids: frozenset[int] = frozenset(_eos_ids(generation, hf_config))
-        self.max_context: int = config.max_context or hf_config.max_position_embeddings
-        self.instance_id = uuid.uuid4().hex  # lets clients notice a restarted engine (all caches lost)
-        self._thread = threading.get_ident()  # the one thread that runs the model
-        self.evictions = 0
-        self._sessions: OrderedDict[str, _Session] = OrderedDict()  # least recently used first
+        self._new_cache = self._native.new_cache if self._native else lambda: DynamicCache(config=hf_config)
+        self.vocab_size = hf_config.vocab_size
+        self.eos_token_ids = frozenset(_eos_ids(generation, hf_config))
+        self.vocab_digest = ""  # unknown: the coordinator skips the vocabulary check
+        self._context = hf_config.max_position_embeddings
 
     def _dense(self, config: EngineConfig, on_cpu: bool):
         """The stock modules: in `dtype`, or dynamically int8 (a draft's option), fast small-row linears."""
@@ -171,7 +196,7 @@ class ModelEngine:
         Returns float32 CPU logits [len(extra) + 1, vocab]: row i is the next-token distribution
         after tokens[:n + i], where n is the session length before the call.
         """
-        if self._q4 is not None:  # its one-session pass is its ragged pass
+        if self._native is not None:  # its one-session pass is its ragged pass
             return self.forward_many([(session_id, extra)])[0]
         session, new = self._prepare(session_id, extra)
         input_ids = torch.tensor([new], dtype=torch.long, device=self.config.device)  # [1, len(new)]
@@ -237,8 +262,8 @@ class ModelEngine:
     # -- helpers ------------------------------------------------------------------------------
 
     def _ragged_forward(self, caches, inputs, keep) -> list[torch.Tensor]:
-        if self._q4 is not None:
-            return self._q4.forward(caches, inputs, keep)
+        if self._native is not None:
+            return self._native.forward(caches, inputs, keep)
         if self._fused is not None:
             return self._fused.forward(caches, inputs, keep)
         return ragged.forward(self.model, caches, inputs, keep)

@@ -1,6 +1,6 @@
 """A GGUF model served as stored: memory-mapped, every tensor in its file's type, run by one C call per pass.
 
-The file is mapped read-only (gguf.GGUFReader); the decoder (specd/csrc/decoder.c) reads the
+The file is mapped read-only (its metadata read by specd/gguf_meta.py); the decoder (specd/csrc/decoder.c) reads the
 weights' blocks where they lie, so the process holds the file's pages and the KV caches, and no
 float32 copy of a quantised weight is ever made. Which architecture and hyper-parameters come
 from the metadata (specd/archs.py); which kernel multiplies a tensor comes from its type
@@ -19,21 +19,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGUFReader
 
-from specd import archs, native, quants
+from specd import archs, gguf_meta, native, quants
 from specd.archs import HyperParams
 
 Linear = native.Linear
-
-
-def is_gguf(path: Path | str) -> bool:
-    """A GGUF file (by its magic), as opposed to a Hugging Face directory."""
-    path = Path(path)
-    if not path.is_file():
-        return False
-    with path.open("rb") as f:
-        return f.read(4) == b"GGUF"
+is_gguf = gguf_meta.is_gguf
 
 
 class _Layer(ctypes.Structure):
@@ -63,12 +54,14 @@ class GGUFModel:
 
     def __init__(self, path: Path | str, march: str = native.NATIVE):
         self.path = Path(path)
-        self._reader = GGUFReader(self.path, "r")  # memory-mapped: the tensors below are views of the file
-        self._fields = self._reader.fields
-        self.architecture = self.metadata("general.architecture")
+        self.meta = gguf_meta.read(self.path)
+        self._file = np.memmap(self.path, dtype=np.uint8, mode="r")  # the weights: read where they lie
+        self.architecture = self.meta.architecture
         self.spec = archs.arch_of(self.architecture)
-        self.hp: HyperParams = archs.hyper_params(self.architecture, self.metadata)
-        self._tensors = {t.name: t for t in self._reader.tensors}
+        self.hp: HyperParams = archs.hyper_params(self.architecture, self.meta.get)
+        self._tensors = self.meta.tensors
+        self.eos_token_ids: frozenset[int] = gguf_meta.eog_ids(self.meta)
+        self.vocab_digest: str = gguf_meta.vocab_digest(self.meta)
         self._library = _declare(native.library(march))
         self._layers = (_Layer * self.hp.layers)(*(self._layer(i) for i in range(self.hp.layers)))
         embed = self._linear("token_embd.weight")
@@ -85,45 +78,55 @@ class GGUFModel:
     # -- metadata and tensors ---------------------------------------------------------------
 
     def metadata(self, key: str, default=None):
-        field = self._fields.get(key)
-        return default if field is None else field.contents()
+        return self.meta.get(key, default)
 
     def tensor_types(self) -> list[str]:
         """The stored types of the file's tensors, most numerous first (for logs and health)."""
         counts: dict[str, int] = {}
         for tensor in self._tensors.values():
-            counts[tensor.tensor_type.name] = counts.get(tensor.tensor_type.name, 0) + 1
+            name = quants.type_name(tensor.ggml_type)
+            counts[name] = counts.get(name, 0) + 1
         return [f"{n} {name}" for name, n in sorted(counts.items(), key=lambda kv: -kv[1])]
 
     @property
     def nbytes(self) -> int:
         """Bytes of the weights as stored (what serving them maps)."""
-        return sum(int(t.n_bytes) for t in self._tensors.values())
+        return sum(t.nbytes for t in self._tensors.values())
 
-    def _tensor(self, name: str, optional: bool = False):
+    def _tensor(self, name: str, optional: bool = False) -> gguf_meta.TensorInfo | None:
         tensor = self._tensors.get(name)
         if tensor is None and not optional:
             raise ValueError(f"{self.path.name}: no tensor {name!r}, which {self.architecture!r} needs")
         return tensor
 
+    def _address(self, tensor: gguf_meta.TensorInfo) -> int:
+        if tensor.offset + tensor.nbytes > len(self._file):
+            raise ValueError(f"{self.path.name}: tensor {tensor.name} runs past the end of the file (truncated?)")
+        return self._file.ctypes.data + tensor.offset
+
+    def _floats(self, tensor: gguf_meta.TensorInfo) -> np.ndarray:
+        return np.frombuffer(self._file, np.float32, int(np.prod(tensor.dims)), tensor.offset)
+
     def _norm(self, name: str, optional: bool = False) -> int | None:
         tensor = self._tensor(name, optional)
         if tensor is None:
             return None
-        if tensor.data.dtype != np.float32:
-            raise ValueError(f"{name}: norm weights must be F32, got {tensor.tensor_type.name}")
-        return tensor.data.ctypes.data
+        if tensor.ggml_type != quants.F32:
+            raise ValueError(f"{name}: norm weights must be F32, got {quants.type_name(tensor.ggml_type)}")
+        return self._address(tensor)
 
     def _linear(self, name: str, optional: bool = False, bias: str | None = None) -> Linear | None:
         tensor = self._tensor(name, optional)
         if tensor is None:
             return None
-        kind = quants.quant_type(int(tensor.tensor_type), name)
-        K, N = (int(d) for d in tensor.shape[:2])  # GGUF lists the fastest dimension first
+        kind = quants.quant_type(tensor.ggml_type, name)
+        if len(tensor.dims) != 2:
+            raise ValueError(f"{name}: a weight matrix has 2 dimensions, got {tensor.dims}")
+        K, N = tensor.dims  # GGUF lists the fastest dimension first
         if K % kind.block:
             raise ValueError(f"{name}: {K} inputs are not whole {kind.name} blocks of {kind.block}")
         b = self._norm(bias, optional=True) if bias else None
-        return Linear(tensor.data.ctypes.data, int(tensor.tensor_type), N, K, b)
+        return Linear(self._address(tensor), tensor.ggml_type, N, K, b)
 
     def _layer(self, i: int) -> _Layer:
         t = lambda role: f"blk.{i}.{role}.weight"  # noqa: E731
@@ -158,7 +161,7 @@ class GGUFModel:
         for base, scale in self._rope_keys():
             inv = 1.0 / (base ** (torch.arange(0, dims, 2, dtype=torch.int64).float() / dims))
             if factors is not None:
-                inv = inv / torch.from_numpy(np.array(factors.data, dtype=np.float32))
+                inv = inv / torch.from_numpy(self._floats(factors).copy())
             tables.append(inv / scale)
         return tables
 

@@ -65,6 +65,26 @@ def choose(shape: tuple[int, int], requested: str = "auto") -> Choice:
     return choice
 
 
+NATIVE_CHECK_TOKENS = 9  # a one-pass prompt of 9 rows (a K = 8 verification's size) against 9 steps
+
+
+@torch.inference_mode()
+def check_native(model) -> Choice:
+    """A GGUF model's start-up self-check: feeding tokens one step at a time and all in one pass,
+    and beside another session, must give the same logits bit for bit (with this file's tensor
+    types, on this CPU). Refuses to serve otherwise."""
+    tokens = [(7 * i + 3) % model.vocab_size for i in range(NATIVE_CHECK_TOKENS)]
+    steps = model.new_cache()
+    alone = torch.cat([model.forward([steps], [[t]], [1])[0] for t in tokens])
+    together = model.forward([model.new_cache()], [tokens], [len(tokens)])[0]
+    beside = model.forward([model.new_cache(), model.new_cache()], [tokens[:4], tokens], [4, len(tokens)])[1]
+    if not (torch.equal(alone, together) and torch.equal(alone, beside)):
+        raise RuntimeError(f"{model.path.name}: a pass's rows differ from one-row steps on this CPU; "
+                           "specd's kernels are not batch-invariant here, so speculation would change the output")
+    return Choice("gguf", "the file's tensors as stored (" + ", ".join(model.tensor_types()) + "), batch-invariant "
+                  "by the start-up check", True)
+
+
 def _linear(mode: str, shape: tuple[int, int]) -> Callable[[torch.Tensor], torch.Tensor]:
     """A linear of `shape` in `mode` with seeded random weights, as the engine would run it."""
     generator = torch.Generator().manual_seed(0)

@@ -57,7 +57,10 @@ class UnsupportedTensorType(ValueError):
     """A tensor stored in a type specd has no kernel for."""
 
 
-def _type_name(ggml_type: int) -> str:
+F32 = int(_Q.F32)
+
+
+def type_name(ggml_type: int) -> str:
     try:
         return GGMLQuantizationType(ggml_type).name
     except ValueError:
@@ -71,7 +74,7 @@ def quant_type(ggml_type: int, tensor: str | None = None) -> QuantType:
         what = f"tensor {tensor}" if tensor else "a tensor"
         supported = ", ".join(q.name for q in REGISTRY.values())
         raise UnsupportedTensorType(
-            f"{what} has type {_type_name(int(ggml_type))}, which specd has no kernel for; supported: {supported}")
+            f"{what} has type {type_name(int(ggml_type))}, which specd has no kernel for; supported: {supported}")
     return kind
 
 

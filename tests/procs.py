@@ -77,7 +77,7 @@ def stub(proc: ServiceProcess) -> coordinator_pb2_grpc.CoordinatorStub:
 def model_service(
     role: str, model_dir: Path, log_dir: Path, port: int | None = None, host: str = "127.0.0.1", *extra: str
 ) -> ServiceProcess:
-    args = ["--model-dir", str(model_dir), "--dtype", "float64", "--threads", "1", *extra]
+    args = ["--model", str(model_dir), "--dtype", "float64", "--threads", "1", *extra]
     return ServiceProcess(role, args, log_dir, port, host)
 
 
@@ -95,7 +95,7 @@ def coordinator(
 ) -> ServiceProcess:
     """`drafts`, `targets`: addresses, or a pool spec (`file:///...`, `dns:///...`)."""
     pools = [",".join(p) if isinstance(p, list) else p for p in (drafts, targets)]
-    args = ["--model-dir", str(target_dir), "--draft-addr", pools[0], "--target-addr", pools[1]]
+    args = ["--model", str(target_dir), "--draft-addr", pools[0], "--target-addr", pools[1]]
     return ServiceProcess("coordinator", [*args, "--redis-url", redis_url, "--http-port", "0", *extra], log_dir)
 
 

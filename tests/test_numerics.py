@@ -69,7 +69,7 @@ def q4_target(tiny_pair) -> ModelEngine:
 def test_the_q4_engine_holds_no_dense_model_and_weights_in_5_bits(q4_target, tiny_pair):
     assert q4_target.model is None and q4_target.numerics.mode == "q4" and q4_target.numerics.invariant
     float32_bytes = sum(f.stat().st_size for f in tiny_pair[1].glob("*.safetensors"))
-    assert q4_target._q4.nbytes < 0.25 * float32_bytes  # 5 bits a weight, plus the float32 norms
+    assert q4_target._native.nbytes < 0.25 * float32_bytes  # 5 bits a weight, plus the float32 norms
 
 
 def test_a_verification_gives_every_row_of_the_plain_steps_bit_for_bit(q4_target):

@@ -40,7 +40,7 @@ def ray_app(tiny_pair, ray_redis_url):
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        args = {"target_model_dir": str(target_dir), "draft_model_dir": str(draft_dir), "redis_url": ray_redis_url,
+        args = {"target_model": str(target_dir), "draft_model": str(draft_dir), "redis_url": ray_redis_url,
                 "dtype": "float64", "draft_replicas": "2", "target_replicas": "2", "draft_cpus": "0.5",
                 "target_cpus": "0.5", "coordinator_flags": "--default-k 3"}
         serve.run(build_app(args), name="specd", route_prefix="/")
@@ -99,7 +99,7 @@ def test_the_ray_ingress_calibrates_at_start_up_as_the_coordinator_does(ray_app,
 def test_the_coordinator_flags_are_checked_when_the_app_is_built(tiny_pair, redis_url):
     from services.ray_app import build_app
 
-    args = {"target_model_dir": str(tiny_pair[1]), "draft_model_dir": str(tiny_pair[0]), "redis_url": redis_url}
+    args = {"target_model": str(tiny_pair[1]), "draft_model": str(tiny_pair[0]), "redis_url": redis_url}
     with pytest.raises(ValueError, match="coordinator_flags"):
         build_app(args | {"coordinator_flags": "--default-k many"})
 
@@ -124,7 +124,7 @@ def test_specd_serve_ray_serves_then_stops_on_a_signal(tiny_pair, redis_url, tmp
 
     port = free_port()
     command = [sys.executable, "-m", "services.cli", "serve-ray", "--num-cpus", "2", "--http-port", str(port),
-               "--redis-url", redis_url, "--draft-model-dir", str(tiny_pair[0]), "--target-model-dir",
+               "--redis-url", redis_url, "--draft-model", str(tiny_pair[0]), "--target-model",
                str(tiny_pair[1]), "--draft-quantize", "none"]
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     log = tmp_path / "serve-ray.log"

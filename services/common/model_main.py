@@ -36,7 +36,9 @@ def parse(role: str, default_port: int, argv: list[str] | None) -> argparse.Name
 def build_parser(role: str, default_port: int) -> argparse.ArgumentParser:
     """Every flag, each with its SPECD_* variable (docs/configuration.md is generated from it)."""
     parser = argparse.ArgumentParser(prog=f"python -m services.{role}", description=f"specd {role} model service")
-    settings.add(parser, "--model-dir", type=Path, help="HF model directory (see `specd models fetch`)")
+    settings.add(parser, "--model", type=Path, aliases=("--model-dir",),
+                 help="the model: a GGUF file, served as stored (`specd models fetch` gives the pair's), or an HF "
+                      "model directory")
     settings.add(parser, "--host", default="127.0.0.1", help="address to bind")
     settings.add(parser, "--port", type=int, default=default_port, help="gRPC port")
     settings.add(parser, "--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
@@ -64,8 +66,8 @@ def build_parser(role: str, default_port: int) -> argparse.ArgumentParser:
 
 
 def _checked(parser: argparse.ArgumentParser, role: str, args: argparse.Namespace) -> argparse.Namespace:
-    if args.model_dir is None:
-        parser.error("--model-dir (or SPECD_MODEL_DIR) is required")
+    if args.model is None:
+        parser.error("--model (or SPECD_MODEL) is required")
     try:
         args.tls = TlsFiles(args.tls_dir, role).check() if args.tls_dir else None
         Batching(args.max_batch, args.batch_wait).validate()
@@ -77,7 +79,7 @@ def _checked(parser: argparse.ArgumentParser, role: str, args: argparse.Namespac
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
-        model_dir=args.model_dir,
+        model_dir=args.model,
         device=args.device,
         dtype=args.dtype,
         threads=args.threads,
@@ -107,7 +109,7 @@ def main(
                                           health_address=health_address)
         info = servicer.engine_info()
         log.info("%s serving %s on %s:%d (%s), numerics %s (quantize %s, batch-invariant here: %s): %s", role,
-                 args.model_dir, args.host, port, "mutual TLS" if args.tls else "plaintext", info.numerics,
+                 args.model, args.host, port, "mutual TLS" if args.tls else "plaintext", info.numerics,
                  info.quantize, info.invariant, info.reason)
         if not args.tls:
             log.warning("no --tls-dir: any process that reaches %s:%d may drive this service's caches", args.host, port)

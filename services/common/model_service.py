@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, Generic, Self, TypeVar
 
 import grpc
@@ -141,8 +142,10 @@ class ModelServicer(Generic[Request, Reply]):
     def engine_info(self) -> EngineInfo:
         """What this service runs. Fixed when the engine is built: any thread may read it."""
         choice = self.engine.numerics
+        # vocab_digest: the GGUF engine's (specd/gguf_meta.py); an HF directory's engine may have none
         return EngineInfo(self.engine.instance_id, choice.mode, self.engine.config.quantize, choice.invariant,
-                          choice.reason)
+                          choice.reason, getattr(self.engine, "vocab_digest", "") or "",
+                          Path(self.engine.config.model_dir).name)
 
     @grpc_errors
     async def GetEngineInfo(self, request: common_pb2.EngineInfoRequest, context: grpc.aio.ServicerContext):

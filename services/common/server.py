@@ -65,7 +65,10 @@ async def start_server(
 
     async def announce() -> None:
         if warm_up is not None:
-            await warm_up
+            try:
+                await warm_up
+            except BaseException:  # it failed (its owner reports why and stops): never SERVING
+                return
         for name in ("", *names):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
 
@@ -95,12 +98,13 @@ async def stop_server(server: grpc.aio.Server, grace_s: float | None) -> None:
 
 
 async def run_until_signalled(
-    server: grpc.aio.Server, drain: Callable[[float], Awaitable[None]] | None = None
+    server: grpc.aio.Server, drain: Callable[[float], Awaitable[None]] | None = None,
+    stop: asyncio.Event | None = None,
 ) -> None:
-    """Serve until SIGTERM/SIGINT; then answer health checks NOT_SERVING (probes and clients
-    stop sending), run `drain(grace_s)` (a model service finishes its queued calls and refuses
-    new ones), and let in-flight calls finish for STOP_GRACE_S."""
-    stop = asyncio.Event()
+    """Serve until SIGTERM/SIGINT (or `stop` is set); then answer health checks NOT_SERVING
+    (probes and clients stop sending), run `drain(grace_s)` (a model service finishes its queued
+    calls and refuses new ones), and let in-flight calls finish for STOP_GRACE_S."""
+    stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)

@@ -14,11 +14,16 @@ def env_name(flag: str) -> str:
     return "SPECD_" + flag.lstrip("-").replace("-", "_").upper()
 
 
-def add(parser: argparse.ArgumentParser, flag: str, *, type=str, default=None, help: str = "", choices=None) -> None:
-    raw = os.environ.get(env_name(flag))
+def add(parser: argparse.ArgumentParser, flag: str, *, type=str, default=None, help: str = "", choices=None,
+        aliases: tuple[str, ...] = ()) -> None:
+    """`aliases`: old names of the flag, still accepted, as flags and as variables (the new
+    variable wins when both are set)."""
+    raw = next((os.environ[name] for name in map(env_name, (flag, *aliases)) if name in os.environ), None)
     value = type(raw) if raw is not None else default
+    old = f" (formerly {', '.join(aliases)} / {', '.join(map(env_name, aliases))})" if aliases else ""
     parser.add_argument(
-        flag, type=type, default=value, choices=choices, help=f"{help} [env {env_name(flag)}; default {default}]"
+        flag, *aliases, type=type, default=value, choices=choices,
+        help=f"{help}{old} [env {env_name(flag)}; default {default}]"
     )
 
 

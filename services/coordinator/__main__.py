@@ -29,6 +29,15 @@ async def serve(args: argparse.Namespace) -> None:
         log.info("coordinator metrics on http://%s:%d/metrics", args.host, args.metrics_port)
     keys = root.api_keys(args)
     starting = asyncio.create_task(root.start_up(frontend, args.calibrate == "on"))
+
+    stop = asyncio.Event()
+
+    def refuse(task: asyncio.Task) -> None:  # the draft cannot serve this target: stop, and exit non-zero
+        if not task.cancelled() and isinstance(task.exception(), root.VocabularyMismatch):
+            log.error("%s", task.exception())
+            stop.set()
+
+    starting.add_done_callback(refuse)
     server, port = await start_server(
         register(CoordinatorServicer(frontend, keys)), f"{args.host}:{args.port}", warm_up=starting,
         max_message_bytes=args.max_body_bytes,  # the same bound as a REST body
@@ -41,13 +50,15 @@ async def serve(args: argparse.Namespace) -> None:
         http, http_port = await HttpServer.start(app, args.host, args.http_port)
         log.info("REST gateway on http://%s:%d/v1 (model %r)", args.host, http_port, name)
     try:
-        await run_until_signalled(server)
+        await run_until_signalled(server, stop=stop)
     finally:
         starting.cancel()
         await frontend.auditor.close()
         if http:
             await http.stop()
         await asyncio.gather(drafter.replicas.close(), verifier.replicas.close(), services.store.close())
+    if starting.done() and not starting.cancelled() and isinstance(starting.exception(), root.VocabularyMismatch):
+        raise SystemExit(f"coordinator: {starting.exception()}")
 
 
 def main(argv: list[str] | None = None) -> None:

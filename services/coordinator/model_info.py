@@ -1,20 +1,31 @@
 """What the coordinator knows of the target model: its tokenizer, chat template and limits.
 
-Read from the model directory's JSON files with the `tokenizers` library and transformers' jinja
-renderer (the one `apply_chat_template` uses), never through transformers' model classes: those
-import torch, which the coordinator does not run. tests/test_model_info.py checks every answer
-against transformers' own tokenizer.
+From a GGUF file (what `specd models fetch` gives and the engine serves): the metadata through
+specd/gguf_meta.py (end-of-generation ids as llama.cpp decides them, context length, logits width,
+chat template, special tokens), and the tokenizer from ``<file>.tokenizer.json`` beside it when that
+is there and not older than the file (`specd models fetch` writes it: loads in about 0.5 s), else
+built from the metadata (2-4 s). From an HF model directory: its JSON files, as before.
+
+Either way with the `tokenizers` library and transformers' jinja renderer (the one
+`apply_chat_template` uses), never through transformers' model classes: those import torch, which
+the coordinator does not run. tests/test_model_info.py checks every answer against transformers'
+own tokenizer, loaded from the same directory or GGUF file.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
 from tokenizers import Tokenizer
 from transformers.utils.chat_template_utils import render_jinja_template
+
+from specd import gguf_meta
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -39,7 +50,46 @@ class ModelInfo:
         return self.encode(rendered[0])
 
 
-def load_model_info(model_dir: Path) -> ModelInfo:
+def load_model_info(path: Path | str) -> ModelInfo:
+    """A GGUF file's, or an HF model directory's."""
+    path = Path(path)
+    return _from_gguf(path) if path.is_file() else _from_directory(path)
+
+
+def _from_gguf(path: Path) -> ModelInfo:
+    meta = gguf_meta.read(path)
+    try:
+        tokenizer = _sidecar_tokenizer(path, meta) or Tokenizer.from_str(gguf_meta.tokenizer_json(meta))
+        context = meta.context_length
+        if context is None:
+            raise gguf_meta.GGUFError(f"{path}: no {meta.architecture}.context_length in its metadata")
+        return ModelInfo(tokenizer, meta.vocab_size, gguf_meta.eog_ids(meta), context, gguf_meta.chat_template(meta),
+                         gguf_meta.special_tokens(meta))
+    finally:
+        meta.close()
+
+
+def _sidecar_tokenizer(path: Path, meta: gguf_meta.Metadata) -> Tokenizer | None:
+    """The tokenizer saved beside the file, if it is at least as new as the file and has its token
+    count; else None (the caller builds it from the metadata)."""
+    sidecar = gguf_meta.tokenizer_sidecar(path)
+    try:
+        if sidecar.stat().st_mtime_ns < path.stat().st_mtime_ns:
+            log.warning("%s is older than %s: building the tokenizer from the GGUF's metadata", sidecar, path.name)
+            return None
+        tokenizer = Tokenizer.from_file(str(sidecar))
+    except FileNotFoundError:
+        return None
+    except Exception as error:  # unreadable: rebuilding costs seconds, not correctness
+        log.warning("%s: %s; building the tokenizer from the GGUF's metadata", sidecar, error)
+        return None
+    if tokenizer.get_vocab_size(with_added_tokens=True) != meta.count("tokenizer.ggml.tokens"):
+        log.warning("%s does not hold %s's tokens: building the tokenizer from its metadata", sidecar, path.name)
+        return None
+    return tokenizer
+
+
+def _from_directory(model_dir: Path) -> ModelInfo:
     config = _json(model_dir / "config.json")
     tokenizer_config = _json(model_dir / "tokenizer_config.json")
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))

@@ -1,7 +1,7 @@
 """The coordinator's composition root: its settings (the flags of `python -m services.coordinator`,
 each with its SPECD_* variable), the frontend every edge serves built from them and a
-drafter/verifier pair (gRPC pools, or Ray Serve handles), and its start-up (the target's row
-blocks, then calibration). `python -m services.coordinator` and the Ray Serve ingress
+drafter/verifier pair (gRPC pools, or Ray Serve handles), and its start-up (the vocabulary check,
+then calibration). `python -m services.coordinator` and the Ray Serve ingress
 (services/ray_app.py) both build the coordinator here, so they run the same policy."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import logging
 from pathlib import Path
 
 from specd import audit
+from specd.contracts import EngineInfo
 from specd.loop import Drafter, Services, Verifier
 from specd.outage import DRAFT_TIMEOUT_S, DraftOutage
 from specd.policy import PolicyConfig
@@ -59,7 +60,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def build_parser() -> argparse.ArgumentParser:
     """Every flag, each with its SPECD_* variable (docs/configuration.md is generated from it)."""
     parser = argparse.ArgumentParser(prog="python -m services.coordinator", description="specd coordinator")
-    settings.add(parser, "--model-dir", type=Path, help="the target's model directory (tokenizer, limits)")
+    settings.add(parser, "--model", type=Path, aliases=("--model-dir",),
+                 help="the target's GGUF file or HF model directory: its tokenizer, chat template, end tokens and "
+                      "limits (a GGUF file's tokenizer from FILE.tokenizer.json beside it, when there)")
     settings.add(parser, "--host", default="127.0.0.1", help="address to bind")
     settings.add(parser, "--port", type=int, default=DEFAULT_PORT, help="gRPC port")
     settings.add(parser, "--draft-addr", default="127.0.0.1:50052", help=f"the draft pool: {POOL_HELP}")
@@ -99,7 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
                  help="named sessions one API key may hold (0: no limit)")
     settings.add(parser, "--key-tokens-per-minute", type=int, default=QuotaLimits.tokens_per_minute,
                  help="prompt + generated tokens one API key may use per minute (0: no limit)")
-    settings.add(parser, "--served-model-name", help="the model id REST clients name (default: the model dir's name)")
+    settings.add(parser, "--served-model-name",
+                 help="the model id REST clients name (default: the model's file name less .gguf, or its directory's)")
     settings.add(parser, "--max-body-bytes", type=int, default=MAX_BODY_BYTES,
                  help="largest REST request body, and gRPC request message")
     settings.add(parser, "--metrics-port", type=int, default=0, help="serve Prometheus /metrics on this port (0: off)")
@@ -116,7 +120,7 @@ def _checked(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argpa
         args.tls = TlsFiles(args.tls_dir, CALLER).check() if args.tls_dir else None
     except ValueError as error:
         parser.error(f"--tls-dir: {error}")
-    for required in ("model_dir", "redis_url"):
+    for required in ("model", "redis_url"):
         if getattr(args, required) is None:
             flag = required.replace("_", "-")
             parser.error(f"--{flag} (or {settings.env_name(flag)}) is required")
@@ -136,7 +140,7 @@ def build(args: argparse.Namespace, drafter: Drafter, verifier: Verifier) -> Fro
     services = Services(drafter, verifier, store, DraftOutage(args.draft_timeout_s))
     quota_limits = QuotaLimits(args.key_max_in_flight, args.key_max_sessions, args.key_tokens_per_minute)
     quotas = Quotas(store.client, quota_limits, args.session_ttl_s)
-    return Frontend(services, load_model_info(args.model_dir), limits, args.audit_rate, quotas)
+    return Frontend(services, load_model_info(args.model), limits, args.audit_rate, quotas)
 
 
 def api_keys(args: argparse.Namespace) -> ApiKeys:
@@ -147,12 +151,53 @@ def api_keys(args: argparse.Namespace) -> ApiKeys:
 
 
 def served_model_name(args: argparse.Namespace) -> str:
-    return args.served_model_name or args.model_dir.resolve().name
+    path = args.model.resolve()
+    return args.served_model_name or (path.stem if path.suffix == ".gguf" else path.name)
+
+
+class VocabularyMismatch(RuntimeError):
+    """The draft and the target (or two replicas) tokenise differently: token ids passed between
+    them would mean different text. The coordinator does not start."""
+
+
+async def check_vocabularies(drafter: Drafter, verifier: Verifier, attempts: int = CALIBRATION_ATTEMPTS,
+                             retry_s: float = CALIBRATION_RETRY_S) -> None:
+    """Ask every replica of both pools what it runs (retrying while the pools come up) and raise
+    VocabularyMismatch, naming the models, when their vocabulary digests differ. A replica with no
+    digest (an HF directory's engine) is not compared; giving up waiting costs only the check."""
+    pools = {"draft": drafter, "target": verifier}
+    answers: dict[str, list[EngineInfo]] = {}
+    for attempt in range(attempts):
+        for role, pool in pools.items():
+            ask = getattr(pool, "engines", None)  # a pool that cannot say (a test's fake): not compared
+            if ask is not None and not answers.get(role):
+                try:
+                    answers[role] = [a for a in await ask() if isinstance(a, EngineInfo)]
+                except Exception as error:  # a pool not up yet
+                    log.debug("vocabulary check: %s pool: %s", role, error)
+        waiting = [role for role, pool in pools.items() if hasattr(pool, "engines") and not answers.get(role)]
+        if not waiting:
+            break
+        log.info("vocabulary check: waiting for the %s pool (attempt %d of %d)", " and ".join(waiting), attempt + 1,
+                 attempts)
+        await asyncio.sleep(retry_s)
+    else:
+        log.warning("vocabulary check: no answer from the %s pool; not compared", " and ".join(waiting))
+    known = [(role, info) for role, infos in answers.items() for info in infos if info.vocab_digest]
+    if len({info.vocab_digest for _, info in known}) > 1:
+        seen = "; ".join(f"{role} {info.model or info.instance_id}: {info.vocab_digest[:16]}" for role, info in known)
+        raise VocabularyMismatch(
+            f"the draft and target vocabularies differ ({seen}): the draft must share the target's tokenizer "
+            "(same tokens, same ids); start a draft made for this target")
+    if known:
+        log.info("vocabulary check: %d replicas share vocabulary %s", len(known), known[0][1].vocab_digest[:16])
 
 
 async def start_up(frontend: Frontend, calibrate: bool) -> None:
-    """Start-up calibration, retried while the model services come up (compose and k8s start them
-    in any order); giving up costs only the exploration it would have saved."""
+    """The vocabulary check (VocabularyMismatch: the caller stops), then start-up calibration,
+    each retried while the model services come up (compose and k8s start them in any order);
+    giving up costs only the check, or the exploration calibration would have saved."""
+    await check_vocabularies(frontend.services.drafter, frontend.services.verifier)
     if not calibrate:
         return
     for attempt in range(CALIBRATION_ATTEMPTS):

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from specd.contracts import DraftReply, ProposeRequest
+from specd.contracts import DraftReply, EngineInfo, ProposeRequest
 from services.common.client import call, timeout
-from services.common.convert import session_ref_to_proto
+from services.common.convert import ENGINE_INFO_REQUEST, engine_info_from_proto, session_ref_to_proto
 from services.common.replicas import Replicas
 from services.common.tls import TlsFiles
 from services.draft import convert
 from services.protogen.specd.v1 import draft_pb2_grpc
+
+ENGINE_INFO_TIMEOUT_S = 5.0  # answered off the model's thread: a busy draft still answers at once
 
 
 class GrpcDrafter:
@@ -36,3 +38,10 @@ class GrpcDrafter:
 
     async def probe(self) -> bool:
         return await self.replicas.probe()
+
+    async def engines(self) -> list[EngineInfo | BaseException]:
+        """What each replica runs (the coordinator's start-up vocabulary check), or why it did not answer."""
+        replies = await self.replicas.broadcast(
+            lambda stub: stub.GetEngineInfo(ENGINE_INFO_REQUEST, timeout=ENGINE_INFO_TIMEOUT_S)
+        )
+        return [reply if isinstance(reply, BaseException) else engine_info_from_proto(reply) for reply in replies]

@@ -57,18 +57,22 @@ class EngineInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineInfo(_message.Message):
-    __slots__ = ("instance_id", "numerics", "quantize", "invariant", "reason")
+    __slots__ = ("instance_id", "numerics", "quantize", "invariant", "reason", "vocab_digest", "model")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     NUMERICS_FIELD_NUMBER: _ClassVar[int]
     QUANTIZE_FIELD_NUMBER: _ClassVar[int]
     INVARIANT_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     numerics: str
     quantize: str
     invariant: bool
     reason: str
-    def __init__(self, instance_id: _Optional[str] = ..., numerics: _Optional[str] = ..., quantize: _Optional[str] = ..., invariant: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+    vocab_digest: str
+    model: str
+    def __init__(self, instance_id: _Optional[str] = ..., numerics: _Optional[str] = ..., quantize: _Optional[str] = ..., invariant: _Optional[bool] = ..., reason: _Optional[str] = ..., vocab_digest: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
     __slots__ = ()
