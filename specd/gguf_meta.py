@@ -350,6 +350,14 @@ def chat_template(meta: Metadata) -> str | None:
     return meta.get("tokenizer.chat_template")
 
 
+def session_start(meta: Metadata) -> int | None:
+    """The token a sequence starts with when the model asks for one (`tokenizer.ggml.add_bos_token`,
+    as llama.cpp reads it: Gemma and Llama do, Qwen does not), else None."""
+    if not meta.get("tokenizer.ggml.add_bos_token", False):
+        return None
+    return meta.get("tokenizer.ggml.bos_token_id")
+
+
 def special_tokens(meta: Metadata) -> dict[str, str]:
     """bos_token, eos_token, unk_token, pad_token: the texts the file names (the chat template's
     variables, as transformers passes them)."""

@@ -65,6 +65,7 @@ class GenerationRequest:
     params: SamplingParams
     policy: PolicyConfig = PolicyConfig()  # adaptive K and fallback, within the server's and request's bounds
     fixed_k: int | None = None  # pinned by the request: no adaptation, no fallback; 0 = plain decoding
+    bos: int | None = None  # the model's start token: leads a new session unless the prompt starts with it
 
 
 @dataclass(frozen=True)
@@ -226,8 +227,15 @@ async def _open_turn(
     replayed = _retried_turn(state, request, request_id)
     if replayed is not None:
         return state, stored, replayed
-    turn = Turn(request_id, stored, request_digest(request)) if request_id else None
-    return replace(state, tokens=(*state.tokens, *request.prompt), requests=state.requests + 1, turn=turn), stored, ()
+    tokens = (*state.tokens, *_session_start(state, request))
+    turn = Turn(request_id, len(tokens), request_digest(request)) if request_id else None
+    return replace(state, tokens=(*tokens, *request.prompt), requests=state.requests + 1, turn=turn), stored, ()
+
+
+def _session_start(state: SessionState, request: GenerationRequest) -> tuple[int, ...]:
+    """The start token a new session begins with, as llama.cpp adds it to a prompt (once)."""
+    needed = request.bos is not None and not state.tokens and request.prompt[:1] != (request.bos,)
+    return (request.bos,) if needed else ()
 
 
 async def _draft(turn: _Turn, state: SessionState, k: int) -> tuple[_Called | None, bool]:

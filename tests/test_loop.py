@@ -325,3 +325,35 @@ def test_a_request_id_reused_for_a_different_request_is_refused():
     with pytest.raises(InvalidParams, match="different request"):
         turn(services, request(max_tokens=8, prompt=(2, 7)), "same-id")
     assert store.sessions["idem"][1].tokens == held
+
+
+# --- the model's start token (Gemma, Llama: tokenizer.ggml.add_bos_token) ------------------------
+
+BOS = 2
+
+
+def test_a_new_session_starts_with_the_models_start_token_once():
+    drafter, verifier, store = FakeDrafter(draft_rule(3)), FakeVerifier(target_rule), FakeStore()
+    first = run(replace(request(max_tokens=6, k=3), bos=BOS), drafter, verifier, store=store, session="b",
+                ephemeral=False)[-1]
+    assert list(first.token_ids) == target_alone([BOS, *PROMPT], 6)  # the target saw the start token first
+    second = run(replace(request(max_tokens=6, k=3, prompt=(7, 7)), bos=BOS), drafter, verifier, store=store,
+                 session="b", ephemeral=False)[-1]
+    history = [BOS, *PROMPT, *first.token_ids, 7, 7]  # a later turn: no second start token
+    assert list(second.token_ids) == target_alone(history, 6)
+    assert store.sessions["b"][1].tokens == (*history, *second.token_ids)
+    given = run(replace(request(max_tokens=6, k=3, prompt=(BOS, *PROMPT)), bos=BOS), drafter, verifier,
+                store=store, session="c", ephemeral=False)[-1]
+    assert store.sessions["c"][1].tokens[:2] == (BOS, PROMPT[0])  # a prompt that starts with it: not doubled
+    assert list(given.token_ids) == list(first.token_ids)
+
+
+def test_a_retried_first_turn_keeps_its_start_token_once():
+    store, drafter, verifier = FakeStore(), FakeDrafter(draft_rule(3)), FakeVerifier(target_rule)
+    services = Services(drafter, verifier, store, DraftOutage())
+    req = replace(request(max_tokens=24, k=3), bos=BOS)
+    partial = turn(services, req, "first", stop_after_chunks=2)
+    assert not isinstance(partial[-1], Finished)
+    done = turn(services, req, "first")[-1]
+    assert list(done.token_ids) == target_alone([BOS, *PROMPT], 24)
+    assert list(store.sessions["idem"][1].tokens) == [BOS, *PROMPT, *done.token_ids]

@@ -1,15 +1,15 @@
-"""End to end on the real Qwen2.5-Coder pair: `specd up` with a float32 target (three processes,
-real gRPC on loopback) must produce exactly the tokens HF `generate` gives with the target alone.
-(specd up's default numerics, q4: tests/test_real_q4.py.)
+"""End to end on the real Qwen2.5-Coder pair: `specd up` as it starts by default (the GGUF files
+served as stored, mutual TLS between the services; three processes, real gRPC on loopback) must
+produce exactly the tokens the target alone gives: the same file's greedy decoding through
+specd's engine in this process, one token a step.
 
-Needs the converted pair (`specd models fetch`; scripts/test runs it first). A missing pair
+Needs the fetched pair (`specd models fetch`; scripts/test runs it first). A missing pair
 is a failure, not a skip: this is the test that keeps the real path working.
 """
 
 from __future__ import annotations
 
 import contextlib
-import gc
 import json
 import socket
 import subprocess
@@ -22,10 +22,13 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from services.common import certs
+from services.common.tls import CALLER, TlsFiles, channel_options
+from services.coordinator.model_info import load_model_info
 from services.models import is_ready, model_path
-from services.protogen.specd.v1 import coordinator_pb2, coordinator_pb2_grpc
+from services.protogen.specd.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, target_pb2_grpc
+from specd.gguf_model import GGUFModel
 
 pytestmark = pytest.mark.real
 
@@ -43,28 +46,30 @@ def target_dir() -> Path:
     return model_path("target")
 
 
+def greedy(model: GGUFModel, prompt_ids: list[int], n: int) -> list[int]:
+    """The target alone: one token a step, each the argmax of the last row."""
+    cache, out = model.new_cache(), []
+    logits = model.forward([cache], [prompt_ids], [1])[0]
+    for _ in range(n):
+        out.append(int(logits[-1].argmax()))
+        if out[-1] in model.eos_token_ids:
+            break
+        logits = model.forward([cache], [[out[-1]]], [1])[0]
+    return out
+
+
 @pytest.fixture(scope="module")
 def reference(target_dir) -> dict:
-    """Greedy tokens of the target alone (HF generate, float32), computed before the services load."""
+    """Greedy tokens of the target alone, computed before the services load."""
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        # the fetched target is its GGUF file: transformers dequantises it (80-100 s, ~9 GB at peak)
-        where = dict(pretrained_model_name_or_path=target_dir.parent, gguf_file=target_dir.name)
-        tokenizer = AutoTokenizer.from_pretrained(**where)
-        model = AutoModelForCausalLM.from_pretrained(**where, dtype=torch.float32)
-        chat_ids = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True)
-        chat_ids = chat_ids if isinstance(chat_ids, list) else chat_ids["input_ids"]
-        out = {}
-        for key, prompt_ids in [*((p, tokenizer.encode(p)) for p in PROMPTS), ("chat", chat_ids)]:
-            ids = torch.tensor([prompt_ids])
-            generated = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=N_TOKENS, do_sample=False)
-            out[key] = generated[0, ids.shape[1] :].tolist()
-        out["chat_text"] = tokenizer.decode(out["chat"], skip_special_tokens=True)
+        info, model = load_model_info(target_dir), GGUFModel(target_dir)
+        out = {p: greedy(model, info.encode(p), N_TOKENS) for p in PROMPTS}
+        out["chat"] = greedy(model, info.chat_prompt(CHAT), N_TOKENS)
+        out["chat_text"] = info.decode(out["chat"])
         return out
     finally:
-        del model
-        gc.collect()
         torch.set_num_threads(threads)
 
 
@@ -95,9 +100,11 @@ def specd_up(*extra: str, log: list[str] | None = None) -> Iterator[dict[str, in
 
 
 @pytest.fixture(scope="module")
-def deployment(reference) -> Iterator[dict[str, int]]:
-    with specd_up("--target-quantize", "none") as ports:  # the checkpoint's float32 weights: HF's numerics
-        yield ports
+def deployment(reference, tmp_path_factory) -> Iterator[dict]:
+    tls_dir = tmp_path_factory.mktemp("tls")
+    certs.make(tls_dir)  # the services speak mutual TLS, as by default; the test calls the target with these
+    with specd_up("--tls-dir", str(tls_dir)) as ports:
+        yield ports | {"tls": tls_dir}
 
 
 def _wait_for_line(proc: subprocess.Popen, marker: str) -> None:
@@ -115,6 +122,23 @@ def _wait_for_line(proc: subprocess.Popen, marker: str) -> None:
 @pytest.fixture(scope="module")
 def coordinator(deployment) -> str:
     return f"127.0.0.1:{deployment['coordinator-port']}"
+
+
+def test_specd_up_serves_the_gguf_file_as_stored(deployment):
+    credentials = TlsFiles(deployment["tls"], CALLER).channel_credentials()
+    with grpc.secure_channel(f"127.0.0.1:{deployment['target-port']}", credentials,
+                             options=channel_options("target")) as channel:
+        info = target_pb2_grpc.TargetServiceStub(channel).GetEngineInfo(common_pb2.EngineInfoRequest(), timeout=30)
+    assert (info.numerics, info.invariant) == ("gguf", True)
+    assert "Q4_K" in info.reason and info.vocab_digest
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_real_pair_plain_decoding_is_the_target_alone(coordinator, reference, prompt):
+    with grpc.insecure_channel(coordinator) as channel:
+        request = coordinator_pb2.GenerateRequest(text=prompt, max_tokens=N_TOKENS, speculation=False)
+        reply = coordinator_pb2_grpc.CoordinatorStub(channel).Complete(request, timeout=600)
+    assert list(reply.token_ids) == reference[prompt]
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)

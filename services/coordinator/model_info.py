@@ -36,6 +36,7 @@ class ModelInfo:
     max_context: int
     chat_template: str | None = None
     special_tokens: dict[str, Any] = field(default_factory=dict)  # bos_token, eos_token, ...: the template's names
+    bos_token_id: int | None = None  # leads a session's first text turn (the model asks for one: Gemma, Llama)
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
@@ -47,7 +48,9 @@ class ModelInfo:
         """The prompt tokens of a conversation, ready for the assistant's turn."""
         rendered, _ = render_jinja_template([messages], chat_template=self.chat_template, add_generation_prompt=True,
                                             **self.special_tokens)
-        return self.encode(rendered[0])
+        ids = self.encode(rendered[0])
+        starts = self.bos_token_id is not None and ids[:1] != [self.bos_token_id]  # once, as llama.cpp adds it
+        return [self.bos_token_id, *ids] if starts else ids
 
 
 def load_model_info(path: Path | str) -> ModelInfo:
@@ -64,7 +67,7 @@ def _from_gguf(path: Path) -> ModelInfo:
         if context is None:
             raise gguf_meta.GGUFError(f"{path}: no {meta.architecture}.context_length in its metadata")
         return ModelInfo(tokenizer, meta.vocab_size, gguf_meta.eog_ids(meta), context, gguf_meta.chat_template(meta),
-                         gguf_meta.special_tokens(meta))
+                         gguf_meta.special_tokens(meta), gguf_meta.session_start(meta))
     finally:
         meta.close()
 

@@ -88,7 +88,8 @@ def generation_request(req: ClientRequest, model: ModelInfo, limits: Limits) -> 
         seed=req.seed if req.seed is not None else secrets.randbits(63),
     ).validate()
     rules = StopRules(max_tokens, req.stop, model.eos_token_ids, req.ignore_eos)
-    return GenerationRequest(tuple(prompt), rules, params, policy_config(limits, max_k), fixed_k)
+    bos = model.bos_token_id if req.token_ids is None else None  # token ids are taken as given
+    return GenerationRequest(tuple(prompt), rules, params, policy_config(limits, max_k), fixed_k, bos)
 
 
 def policy_config(limits: Limits, max_k: int) -> PolicyConfig:
