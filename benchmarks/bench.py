@@ -11,7 +11,7 @@ so every configuration, HF included, sees exactly the same prompt.
 
 1. Hugging Face assisted generation runs first, in this process, while no service is up:
    `target.generate(assistant_model=draft, do_sample=False)` on the models *as the services build
-   them* (`ModelEngine`: fp32 target with the small-row matmul, int8 draft), plus HF plain decoding.
+   them* (transformers reading the same files in float32, dequantised; the draft in int8), plus HF plain decoding.
 2. Then the services (`specd up` on free ports, or `--address` of running ones), requests one
    after another, streamed (`Generate`): plain target decoding (`speculation: false`), each fixed K,
    adaptive K. Before a prompt's runs two tiny probes measure the prompt's prefill on each service
@@ -52,6 +52,7 @@ from typing import Iterator
 import grpc
 import torch
 from tqdm import tqdm
+from transformers import AutoModelForCausalLM
 from transformers.generation.streamers import BaseStreamer
 
 from benchmarks import common, llama_server
@@ -62,7 +63,7 @@ from benchmarks.summary import (
 )
 from services.coordinator.model_info import load_model_info
 from services.protogen.specd.v1 import coordinator_pb2, coordinator_pb2_grpc
-from specd.engine import EngineConfig, ModelEngine
+from specd import kernels
 from services import models
 from services.models import fetch
 
@@ -139,11 +140,19 @@ class _Arrivals(BaseStreamer):
 
 
 def hf_models(draft_dir: Path, target_dir: Path):
-    """The pair with the services' numerics: ModelEngine builds them exactly as `specd up` does."""
-    target = ModelEngine(EngineConfig(target_dir)).model
-    draft = ModelEngine(EngineConfig(draft_dir, quantize="int8")).model
+    """The pair as a Hugging Face user runs it on a CPU: transformers' float32 reading of the same
+    files (a GGUF dequantised), the draft in dynamic int8, the small-row linears specd's dense path uses."""
+    target, draft = _hf_model(target_dir), kernels.quantize_int8(_hf_model(draft_dir))
+    for model in (target, draft):
+        kernels.use_small_row_matmul(model)
     eos = sorted(load_model_info(target_dir).eos_token_ids)
     return target, draft, eos
+
+
+def _hf_model(path: Path):
+    where = dict(pretrained_model_name_or_path=path.parent, gguf_file=path.name) if path.is_file() else \
+        dict(pretrained_model_name_or_path=path)
+    return AutoModelForCausalLM.from_pretrained(**where, dtype=torch.float32).eval()
 
 
 def hf_generate(models, prompt: Prompt, tokens: int, assisted: bool) -> Measured:
@@ -391,7 +400,7 @@ def _result(cfg, prompts, runs, probes, scaling, duration_s, rss) -> dict:
                                                  f"--spec-type draft-simple -md DRAFT --spec-draft-n-max {llama_server.SPEC_DRAFT_MAX})",
             "hf_assisted": "transformers generate(assistant_model=draft, do_sample=False), default "
                            "num_assistant_tokens=20, schedule constant, assistant_confidence_threshold=0.4; "
-                           "ModelEngine numerics (fp32 target + small-row matmul, int8 draft)",
+                           "the same files read by transformers (float32 target, dequantised; int8 draft)",
         },
         "duration_s": round(duration_s, 1),
         "lossless": {"checked": len(ours) + len(hf_assisted),
