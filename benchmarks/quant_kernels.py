@@ -2,11 +2,15 @@
 
     .venv/bin/python -m benchmarks.quant_kernels [--types Q4_K,Q6_K,Q8_0] [--rows 1,2,4,5,8,9,16]
                                                  [--threads 2] [--march native] [--no-logits]
+                                                 [--layouts stored,packed] [--shapes q/o,down]
 
 Shapes are Qwen2.5-1.5B's (hidden 1536, intermediate 8960, q 1536, kv 256, vocab 151936). A real
 model's weights do not fit in the last-level cache, so each call goes to the next of enough copies
 of the weight to exceed it ("cold", what a decoding pass sees); "hot" repeats one copy. Activations
-are quantised once, outside the timing: this times the product alone. Prints a table; writes nothing.
+are quantised once, outside the timing: this times the product alone. `--layouts` picks the weight
+layouts timed: "stored" (the GGUF rows as stored) and "packed" (specd_repack's column panels, what
+GGUFModel multiplies; types without panels in this build are skipped there), each a table row, the
+two layouts' calls interleaved. Prints a table; writes nothing.
 """
 
 from __future__ import annotations
@@ -46,12 +50,16 @@ def random_weight(kind: T, N: int, K: int, rng: np.random.Generator) -> np.ndarr
 def time_rounds(lib, cases, x, y, threads, repeats, budget_s=3.0) -> list[float]:
     """Median seconds per call of each (linears, M) case, timed in rounds (one call of every case
     per round, so a slow moment of a shared host hits all cases alike); each call takes the next
-    of its case's linears. Stops early past budget_s."""
+    copy of its weight (a rotation shared by the cases of one weight list, so a copy comes back
+    only after all the others: cold). Stops early past budget_s."""
     times = [[] for _ in cases]
+    turn: dict[int, int] = {}
     start = time.perf_counter()
     for i in range(repeats):
         for (linears, M), out in zip(cases, times):
-            w = linears[i % len(linears)]
+            k = turn.get(id(linears), 0)
+            turn[id(linears)] = k + 1
+            w = linears[k % len(linears)]
             t0 = time.perf_counter()
             lib.specd_matmul(ctypes.byref(w), x.data_ptr(), M, y.data_ptr(), threads)
             out.append(time.perf_counter() - t0)
@@ -68,33 +76,50 @@ def main() -> None:
     parser.add_argument("--march", default=native.NATIVE)
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--no-logits", action="store_true", help="skip the 151936-row output projection")
+    parser.add_argument("--layouts", default="stored,packed")
+    parser.add_argument("--shapes", default="", help="comma-separated prefixes of shape names (default: all)")
     args = parser.parse_args()
+    layouts = args.layouts.split(",")
     rows = [int(r) for r in args.rows.split(",")]
     lib = native.library(args.march)
     rng = np.random.default_rng(0)
     print(f"march={args.march} threads={args.threads}; ms per call (cold: weights from DRAM), "
           f"GB/s = weight bytes / time at M=1")
-    header = f"{'type':5} {'shape':20} {'MB':>7} {'hot M=1':>8} {'GB/s':>6} " + " ".join(f"{'M=' + str(m):>7}" for m in rows)
+    header = (f"{'type':5} {'shape':20} {'layout':6} {'MB':>7} {'hot M=1':>8} {'GB/s':>6} "
+              + " ".join(f"{'M=' + str(m):>7}" for m in rows))
     print(header)
     for name in args.types.split(","):
         kind = T[name]
         for shape, (N, K) in SHAPES.items():
             if args.no_logits and N > 100_000:
                 continue
+            if args.shapes and not any(shape.startswith(p) for p in args.shapes.split(",")):
+                continue
             q = quants.quant_type(kind)
             size = N * q.row_bytes(K)
             base = random_weight(kind, N, K, rng)
-            copies = [base] + [base.copy() for _ in range(min(7, -(-COLD_BYTES // size) - 1))]
-            linears = [native.Linear(c.ctypes.data, int(kind), N, K, None) for c in copies]
+            copies = [base] + [base.copy() for _ in range(max(1, -(-COLD_BYTES // size)))]  # copy 0 hot, the rest cold
             xs = quants.quantize_rows(torch.randn(max(rows), K), q.act, args.march)
             y = torch.empty(max(rows), N)
-            hot, *timed = time_rounds(lib, [(linears[:1], 1)] + [(linears, M) for M in rows], xs, y, args.threads,
-                                      args.repeats)
-            cold = dict(zip(rows, timed))
-            gbs = size / cold[rows[0]] / 1e9 if rows[0] == 1 else float("nan")
-            print(f"{name:5} {shape:20} {size / 1e6:7.2f} {hot * 1e3:8.3f} {gbs:6.1f} "
-                  + " ".join(f"{cold[M] * 1e3:7.3f}" for M in rows), flush=True)
-            del copies, linears
+            cases, labels, buffers = [], [], []
+            for layout in layouts:
+                linears = [native.Linear(c.ctypes.data, int(kind), N, K, None) for c in copies]
+                if layout == "packed":
+                    buffers += [quants.repack(w, args.march, args.threads) for w in linears]
+                    if buffers[-1] is None:
+                        continue
+                nbytes = buffers[-1].nbytes if layout == "packed" else size
+                cold = linears[1:] or linears  # the hot case keeps copy 0 for itself
+                cases += [(linears[:1], 1)] + [(cold, M) for M in rows]
+                labels.append((layout, nbytes))
+            times = time_rounds(lib, cases, xs, y, args.threads, args.repeats)
+            for i, (layout, nbytes) in enumerate(labels):
+                hot, *timed = times[i * (1 + len(rows)):(i + 1) * (1 + len(rows))]
+                cold = dict(zip(rows, timed))
+                gbs = nbytes / cold[rows[0]] / 1e9 if rows[0] == 1 else float("nan")
+                print(f"{name:5} {shape:20} {layout:6} {nbytes / 1e6:7.2f} {hot * 1e3:8.3f} {gbs:6.1f} "
+                      + " ".join(f"{cold[M] * 1e3:7.3f}" for M in rows), flush=True)
+            del copies, cases, buffers
 
 
 if __name__ == "__main__":

@@ -165,36 +165,72 @@ def _goal_verdict(met: bool | None) -> str:
     return {True: "met", False: "not met", None: "not measured"}[met]
 
 
+def _differs(e: dict) -> str:
+    d = e.get("differs")
+    if not d:
+        return "–"
+    gap = d["float32_top2_gap"]
+    return str(d["positions"]) + (f" ({gap['median']:.2f} / {gap['max']:.2f})" if gap else "")
+
+
+def _measured(measured: list | dict) -> str:
+    """A goal's figures, per text: ratios as they are, agreements (a dict by engine) as shares."""
+    if isinstance(measured, dict):
+        parts = [f"{engine} " + ", ".join(_share(v) for v in values) for engine, values in measured.items()]
+    else:
+        parts = [", ".join("–" if v is None else f"{v:.4f}" for v in measured)]
+    return " (" + "; ".join(parts) + ")"
+
+
 def quality(name: str) -> Callable[[Path], str]:
     """Per text and engine: perplexity, its ratio to float32's, argmax agreement with float32 (every
-    scored position; the positions asked of llama-server); then the issue's goals."""
+    scored position; the sampled ones), where it differs; then tokenisation, cross-checks and goals."""
     def render(results: Path) -> str:
         run = load(results, name)
         model, settings = run["model"], run["settings"]
         first, stop = settings["scored_rows"]
         head = para(f"`results/{name}.json`: `{model['file']}` ({model['architecture']}; "
                     f"{', '.join(model['tensor_types'])}; sha256 {model['sha256']}…), chunks of {settings['ctx']} "
-                    f"tokens, rows {first}–{stop - 1} of each scored; llama.cpp's argmax at {settings['sample']} "
-                    f"seeded positions per text; {run['machine']['cpu']}, {run['machine']['threads']} threads, "
-                    f"{run['date'][:10]}; {run['duration_s'] / 60:.1f} min.") + "\n"
+                    f"tokens, rows {first}–{stop - 1} of each scored; {settings['sample']} sampled positions per "
+                    f"text; {run['machine']['cpu']}, {run['machine']['threads']} threads, {run['date'][:10]}; "
+                    f"{run['duration_s'] / 60:.1f} min.") + "\n"
         rows = []
         for text_name, text in run["texts"].items():
-            label = f"{text_name} ({text['tokens']} tokens, {text['positions']} positions)"
+            label = f"{text_name} ({text['tokens']} tokens, {text['positions']} scored)"
             for i, (engine, e) in enumerate(text["engines"].items()):
                 ratio = "–" if e["ratio"] is None else f"{e['ratio']:.4f}"
                 rows.append([label if i == 0 else "", ENGINES.get(engine, engine), f"{e['perplexity']:.4f}", ratio,
-                             _share(e["agreement"]), _share(e["agreement_sample"])])
-        body = table(["text", "engine", "perplexity", "× float32", "argmax = float32's",
-                      f"same, at the {settings['sample']} sampled"], rows)
-        llama = [t["engines"]["llama.cpp"] for t in run["texts"].values() if "llama.cpp" in t["engines"]]
+                             _share(e["agreement"]), _share(e["agreement_sample"]), _differs(e)])
+        body = table(["text", "engine", "perplexity", "× float32", "argmax = float32's", "at the sampled",
+                      "differs at (float32 top-2 gap: median / max)"], rows)
+        llama = {t: text["engines"]["llama.cpp"] for t, text in run["texts"].items() if "llama.cpp" in text["engines"]}
         notes = []
         if llama:
-            same = all(e["tokens_match"] for e in llama)
-            tokens = "every text to the same ids as specd" if same else "a text differently from specd"
-            shares = ", ".join(_share(e["specd_same_argmax_sample"]) for e in llama)
-            notes.append(f"llama.cpp tokenised {tokens} (llama-server's /tokenize); specd and llama.cpp chose the "
-                         f"same token at {shares} of the sampled positions.")
-        notes += [f"Goal: {g['goal']}: {_goal_verdict(g['met'])}." for g in run["goals"]]
+            differ = {t: e for t, e in llama.items() if not (e["tokens_match"] and e["saved_tokens_match"])}
+            notes.append(
+                "llama.cpp tokenised " + ("every text to the same ids as specd" if not differ else
+                                          "; ".join(f"{t} differently from specd (first at token "
+                                                    f"{e.get('first_token_difference')}; {e['tokens']} tokens against "
+                                                    f"{run['texts'][t]['tokens']})" for t, e in differ.items())
+                                          + ": its perplexity there is of its own tokens (no ratio), its argmax "
+                                            "llama-server's at every scored position of specd's tokens")
+                + " (the tokens llama-perplexity saved; llama-server's /tokenize). Its argmax over every position is "
+                "otherwise llama-perplexity's own pass (the log-probabilities it saves with --kl-divergence-base), "
+                "at the sampled positions llama-server's (/completion, one token).")
+            checked = {t: e for t, e in llama.items() if e.get("server_same_as_perplexity_sample") is not None}
+            if checked:
+                notes.append("llama-server chose as llama-perplexity's pass at "
+                             + ", ".join(f"{_share(e['server_same_as_perplexity_sample'])} ({t})"
+                                         for t, e in checked.items()) + " of the sampled positions.")
+            compared = {t: e for t, e in llama.items() if e.get("only_specd_differs") is not None}
+            if compared:
+                notes.append(
+                    "specd and llama.cpp chose the same token at "
+                    + ", ".join(f"{_share(e['same_argmax_as_specd'])} ({t})" for t, e in compared.items())
+                    + " of the scored positions. Where only one of the two differs from float32, it is "
+                    + "; ".join(f"specd alone at {e['only_specd_differs']} positions and llama.cpp alone at "
+                                f"{e['only_llama_differs']} ({t})" for t, e in compared.items()) + ".")
+        notes += [f"Goal: {g['goal']}: {_goal_verdict(g['met'])}{_measured(g['measured'])}." for g in run["goals"]]
         return head + body + "\n" + "\n".join(para(n) for n in notes)
     return render
 
@@ -291,6 +327,8 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "fallback": fallback,
     "ablation": ablation,
     "before_after": before_after,
+    "quality": quality("quality"),
+    "quality_gemma": quality("quality_gemma"),
 }
 
 

@@ -14,6 +14,7 @@ compute it (see decoder.c), so a verification's rows equal plain steps bit for b
 from __future__ import annotations
 
 import ctypes
+import mmap
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -63,9 +64,11 @@ class GGUFModel:
         self.eos_token_ids: frozenset[int] = gguf_meta.eog_ids(self.meta)
         self.vocab_digest: str = gguf_meta.vocab_digest(self.meta)
         self._library = _declare(native.library(march))
+        self._march, self._packed = march, []  # the linears' repacked weights (quants.repack), kept alive here
         self._layers = (_Layer * self.hp.layers)(*(self._layer(i) for i in range(self.hp.layers)))
-        embed = self._linear("token_embd.weight")
-        out = self._linear("output.weight", optional=True) or embed  # tied embeddings
+        embed = self._linear("token_embd.weight", pack=False)  # looked up by rows, as stored
+        out = self._linear("output.weight", optional=True) or self._pack(Linear(embed.data, embed.type, embed.N,
+                                                                                embed.K, embed.bias))  # tied
         self.vocab_size = int(embed.N)
         hp = self.hp
         self._model = _Model(hp.layers, hp.hidden, hp.heads, hp.kv_heads, hp.head_dim, hp.intermediate,
@@ -115,7 +118,7 @@ class GGUFModel:
             raise ValueError(f"{name}: norm weights must be F32, got {quants.type_name(tensor.ggml_type)}")
         return self._address(tensor)
 
-    def _linear(self, name: str, optional: bool = False, bias: str | None = None) -> Linear | None:
+    def _linear(self, name: str, optional: bool = False, bias: str | None = None, pack: bool = True) -> Linear | None:
         tensor = self._tensor(name, optional)
         if tensor is None:
             return None
@@ -126,7 +129,20 @@ class GGUFModel:
         if K % kind.block:
             raise ValueError(f"{name}: {K} inputs are not whole {kind.name} blocks of {kind.block}")
         b = self._norm(bias, optional=True) if bias else None
-        return Linear(self._address(tensor), tensor.ggml_type, N, K, b)
+        linear = Linear(self._address(tensor), tensor.ggml_type, N, K, b)
+        return self._pack(linear, tensor) if pack else linear
+
+    def _pack(self, linear: Linear, stored: gguf_meta.TensorInfo | None = None) -> Linear:
+        """linear with its weight repacked into column panels (specd/csrc/quants.c: the same integers and
+        scales, multiplied faster at several rows), when this build has them for its type. `stored`: the
+        tensor's file bytes, then no longer read: their pages leave the process (RSS stays near the
+        file's size, not twice it)."""
+        buffer = quants.repack(linear, self._march, torch.get_num_threads())
+        if buffer is not None:
+            self._packed.append(buffer)
+            if stored is not None:
+                _drop_pages(self._file, stored.offset, stored.nbytes)
+        return linear
 
     def _layer(self, i: int) -> _Layer:
         t = lambda role: f"blk.{i}.{role}.weight"  # noqa: E731
@@ -199,6 +215,16 @@ class GGUFModel:
         for cache, past, x in zip(caches, pasts, inputs):
             cache.extend(past + len(x))
         return list(logits.split(list(keep)))
+
+
+def _drop_pages(file: np.memmap, offset: int, nbytes: int) -> None:
+    """Unmap the whole pages of file[offset:offset + nbytes] from this process (MADV_DONTNEED on a
+    read-only file mapping: a later read would fault them back in from the page cache)."""
+    mapping = getattr(file, "_mmap", None)
+    advice = getattr(mmap, "MADV_DONTNEED", None)
+    start, end = -(-offset // mmap.PAGESIZE) * mmap.PAGESIZE, (offset + nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+    if mapping is not None and advice is not None and end > start:
+        mapping.madvise(advice, start, end - start)
 
 
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:

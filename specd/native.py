@@ -75,10 +75,10 @@ def library(march: str = NATIVE) -> ctypes.CDLL:
 
 
 class Linear(ctypes.Structure):
-    """gg_linear (quants.h): a weight as stored."""
+    """gg_linear (quants.h): a weight as stored, and its repacked panels (packed) or None."""
 
     _fields_ = [("data", ctypes.c_void_p), ("type", ctypes.c_int64), ("N", ctypes.c_int64), ("K", ctypes.c_int64),
-                ("bias", ctypes.c_void_p)]
+                ("bias", ctypes.c_void_p), ("packed", ctypes.c_void_p)]
 
 
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -89,6 +89,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "specd_quantize_rows": ([pointer, size, size, size, pointer, ctypes.c_int], None),
         "specd_matmul": ([ctypes.POINTER(Linear), pointer, size, pointer, ctypes.c_int], None),
         "specd_dequantize_rows": ([ctypes.POINTER(Linear), pointer, size, pointer], None),
+        "specd_repack_bytes": ([size, size, size], size),
+        "specd_repack": ([ctypes.POINTER(Linear), pointer, ctypes.c_int], None),
     }
     for name, (args, result) in signatures.items():
         function = getattr(lib, name)

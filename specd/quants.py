@@ -105,12 +105,31 @@ def quantize_rows(x: torch.Tensor, act: int, march: str = native.NATIVE, threads
     return out
 
 
+def repack(w: native.Linear, march: str = native.NATIVE, threads: int = 1) -> np.ndarray | None:
+    """w's weight repacked into column panels (quants.c) in a new 64-byte aligned buffer, and
+    w.packed set to it; None (w unchanged) when `march`'s build has no panel kernel for the type.
+    The caller keeps the buffer alive as long as w is used."""
+    lib = native.library(march)
+    size = lib.specd_repack_bytes(w.type, w.N, w.K)
+    if size <= 0:
+        return None
+    raw = np.empty(size + 64, np.uint8)
+    start = -raw.ctypes.data % 64
+    buffer = raw[start:start + size]
+    lib.specd_repack(ctypes.byref(w), buffer.ctypes.data, threads)
+    w.packed = buffer.ctypes.data
+    return buffer
+
+
 def matmul(x: torch.Tensor, weight_raw: np.ndarray, ggml_type: int, N: int, K: int, bias: torch.Tensor | None = None,
-           march: str = native.NATIVE, threads: int = 1) -> torch.Tensor:
-    """x [M, K] float32 @ W.T (+ bias) -> [M, N], W [N, K] being the stored bytes of `ggml_type`."""
+           march: str = native.NATIVE, threads: int = 1, packed: bool = True) -> torch.Tensor:
+    """x [M, K] float32 @ W.T (+ bias) -> [M, N], W [N, K] being the stored bytes of `ggml_type`;
+    through its repacked panels when `packed` and the build has them (as GGUFModel multiplies),
+    else the stored rows."""
     weight_raw = np.ascontiguousarray(weight_raw).view(np.uint8)
     bias = None if bias is None else bias.detach().to(torch.float32).contiguous()
     w = _linear(weight_raw, ggml_type, N, K, bias)
+    keep = repack(w, march, threads) if packed else None  # noqa: F841  (alive through the call)
     xq = quantize_rows(x, quant_type(ggml_type).act, march, threads)
     y = torch.empty((xq.shape[0], N), dtype=torch.float32)
     native.library(march).specd_matmul(ctypes.byref(w), xq.data_ptr(), xq.shape[0], y.data_ptr(), threads)

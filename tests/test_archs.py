@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specd import archs
+from specd import archs, quants
 from specd.gguf_model import GGUFModel
 from tests.tiny_gguf import ARCHS as WRITTEN, hf_logits, write_tiny
 
@@ -52,3 +52,25 @@ def test_rows_of_a_pass_equal_one_row_steps(tmp_path, arch, tensor_type):
         model.forward([cache, neighbour], [prefix, PROMPT[::-1]], [1, 1])
         together = model.forward([neighbour, cache], [PROMPT[:rows], tokens[:rows]], [rows, rows])[1]
         assert torch.equal(together, alone[:rows]), f"{rows} rows"
+
+
+def test_an_unsupported_architecture_is_refused_with_its_name(tmp_path):
+    path = write_tiny(tmp_path / "llama.gguf", "llama", "F32")
+    renamed = path.read_bytes().replace(b"\x05\x00\x00\x00\x00\x00\x00\x00llama", b"\x05\x00\x00\x00\x00\x00\x00\x00mamba")
+    assert renamed != path.read_bytes()
+    path.write_bytes(renamed)
+    with pytest.raises(archs.UnsupportedArchitecture, match="'mamba' is not supported"):
+        GGUFModel(path)
+
+
+def test_a_tensor_type_without_a_kernel_is_refused_naming_the_tensor(tmp_path):
+    path = write_tiny(tmp_path / "qwen2.gguf", "qwen2", "F32")
+    data = bytearray(path.read_bytes())
+    name = b"blk.0.attn_q.weight"
+    at = data.index(len(name).to_bytes(8, "little") + name) + 8 + len(name)  # then n_dims, dims, type
+    n_dims = int.from_bytes(data[at:at + 4], "little")
+    type_at = at + 4 + 8 * n_dims
+    data[type_at:type_at + 4] = (10).to_bytes(4, "little")  # Q2_K: smaller than the F32 bytes it replaces
+    path.write_bytes(bytes(data))
+    with pytest.raises(quants.UnsupportedTensorType, match="blk.0.attn_q.weight has type Q2_K"):
+        GGUFModel(path)

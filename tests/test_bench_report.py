@@ -19,6 +19,7 @@ SHOWN = [
     ("chaos", ["tokens_checked"]),
     ("fallback", ["real_pair_code_overall_ratio"]),
     ("ab21_conf_0", ["classes", "prose", "configs", "adaptive", "tokens_per_s"]),
+    ("quality", ["texts", "textwrap_py", "engines", "specd", "perplexity"]),
 ]
 
 

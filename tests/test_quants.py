@@ -16,6 +16,7 @@ from specd import native, quants
 pytestmark = pytest.mark.skipif(native.available() is not None, reason=f"no kernels: {native.available()}")
 
 TYPES = [T.F32, T.F16, T.BF16, T.Q8_0, T.Q5_0, T.Q4_0, T.Q4_K, T.Q5_K, T.Q6_K]
+PACKED = [T.Q8_0, T.Q5_0, T.Q4_0, T.Q4_K, T.Q5_K, T.Q6_K]  # types with panel kernels (quants.c, specd_repack)
 MARCHES = [native.NATIVE, "haswell"]
 N, K = 53, 512  # N odd and not a multiple of the column chunk or the row tile
 
@@ -32,8 +33,17 @@ def make_weight(kind: T, n: int = N, k: int = K, seed: int = 0) -> np.ndarray:
     if kind in (T.F32, T.F16, T.BF16, T.Q8_0, T.Q5_0, T.Q4_0):
         w = rng.standard_normal((n, k)).astype(np.float32)
         return np.ascontiguousarray(gguf_quants.quantize(w, kind)).view(np.uint8).reshape(n, -1)
+    return random_blocks(kind, n, k, rng)
+
+
+def random_blocks(kind: T, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """[n, row bytes] uint8 of random blocks with sane fp16 scales: every bit pattern of the
+    integer fields (Q8_0's -128, Q6_K's int8 scales of either sign, all 5th bits set, ...)."""
     q = quants.quant_type(kind)
     raw = rng.integers(0, 256, (n, k // q.block, q.type_size), dtype=np.uint8)
+    if kind in (T.Q8_0, T.Q5_0, T.Q4_0):
+        raw[..., 0:2] = _fp16_bytes(rng, raw.shape[:2])
+        return raw.reshape(n, -1)
     if kind == T.Q6_K:
         raw[..., 208:210] = _fp16_bytes(rng, raw.shape[:2])  # d (last field)
     else:
@@ -167,32 +177,80 @@ def test_act_formats():
 
 # ---- (c) products: the only error is float rounding ----
 
-@pytest.mark.parametrize("kind", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("march", MARCHES)
-def test_matmul_equals_float64_of_dequantised(kind, march):
-    raw = make_weight(kind)
-    w = quants.reference_dequantize(raw, kind, (N, K)).astype(np.float64)
-    x = torch.cat([tricky_rows(K), torch.randn(11, K)])
+def assert_float64_product(got: np.ndarray, raw: np.ndarray, kind: T, x: torch.Tensor, n: int, k: int):
+    w = quants.reference_dequantize(raw, kind, (n, k)).astype(np.float64)
     xv = activation_values(x, quants.quant_type(kind).act)
-    got = quants.matmul(x, raw, kind, N, K, march=march).numpy()
     want = xv @ w.T
     scale = np.abs(xv) @ np.abs(w).T  # the size of the terms summed: float rounding is relative to it
     assert np.all(np.abs(got - want) <= 1e-5 * scale + 1e-30), float(np.max(np.abs(got - want) / (scale + 1e-30)))
 
 
+@pytest.mark.parametrize("kind", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("march", MARCHES)
+@pytest.mark.parametrize("packed", [False, True], ids=["stored", "packed"])
+def test_matmul_equals_float64_of_dequantised(kind, march, packed):
+    raw = make_weight(kind)
+    x = torch.cat([tricky_rows(K), torch.randn(11, K)])
+    got = quants.matmul(x, raw, kind, N, K, march=march, packed=packed).numpy()
+    assert_float64_product(got, raw, kind, x, N, K)
+
+
+@pytest.mark.parametrize("kind", PACKED, ids=lambda t: t.name)
+@pytest.mark.parametrize("march", MARCHES)
+def test_packed_random_blocks_equal_float64(kind, march):
+    """Every bit pattern of the stored integers (random blocks) survives the repack: the panels'
+    product is the float64 product of gguf's dequantisation, at N = 70 (a padded last panel)."""
+    n, k = 70, 768
+    raw = random_blocks(kind, n, k, np.random.default_rng(int(kind)))
+    x = torch.cat([tricky_rows(k), torch.randn(5, k) * 5])
+    got = quants.matmul(x, raw, kind, n, k, march=march, packed=True).numpy()
+    assert_float64_product(got, raw, kind, x, n, k)
+
+
 # ---- (d) batch invariance ----
+
+def assert_rows_invariant(kind: T, march: str, packed: bool, n: int, k: int):
+    raw = make_weight(kind, n, k)
+    x = torch.cat([tricky_rows(k), torch.randn(123, k) * torch.rand(123, 1) * 10])  # 129 rows
+    single = torch.cat([quants.matmul(x[i:i + 1], raw, kind, n, k, march=march, packed=packed)
+                        for i in range(len(x))])
+    for threads in (1, 2):
+        for M in [*range(1, 17), 33, 64, 129]:
+            start = (M * 7) % (len(x) - M + 1)  # rows land in different tiles than in other calls
+            y = quants.matmul(x[start:start + M], raw, kind, n, k, march=march, threads=threads, packed=packed)
+            assert torch.equal(y, single[start:start + M]), (M, threads)
+
 
 @pytest.mark.parametrize("kind", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("march", MARCHES)
 def test_rows_are_batch_invariant(kind, march):
-    raw = make_weight(kind)
-    x = torch.cat([tricky_rows(K), torch.randn(123, K) * torch.rand(123, 1) * 10])  # 129 rows
-    single = torch.cat([quants.matmul(x[i:i + 1], raw, kind, N, K, march=march) for i in range(len(x))])
-    for threads in (1, 2):
-        for M in [*range(1, 17), 33, 64, 129]:
-            start = (M * 7) % (len(x) - M + 1)  # rows land in different tiles than in other calls
-            y = quants.matmul(x[start:start + M], raw, kind, N, K, march=march, threads=threads)
-            assert torch.equal(y, single[start:start + M]), (M, threads)
+    assert_rows_invariant(kind, march, False, N, K)
+
+
+@pytest.mark.parametrize("kind", PACKED, ids=lambda t: t.name)
+@pytest.mark.parametrize("march", MARCHES)
+def test_packed_rows_are_batch_invariant(kind, march):
+    """The panels' tiles (several rows, one or two strips of columns) give every row the bits of
+    its one-row product; N = 70 leaves a padded last panel (and an odd strip count)."""
+    assert_rows_invariant(kind, march, True, 70, K)
+
+
+@pytest.mark.parametrize("march", MARCHES)
+def test_repack_sizes(march):
+    """Panels of 16 columns (the last one padded), each its blocks' integers then their scales,
+    rounded to 64 bytes; types without panels report 0 and quants.repack leaves them as stored."""
+    lib = native.library(march)
+    per_block = {T.Q4_K: 2048 + 320, T.Q5_K: 2560 + 320, T.Q6_K: 3072 + 288, T.Q8_0: 512 + 32,
+                 T.Q5_0: 320 + 32, T.Q4_0: 256 + 32}
+    for kind, size in per_block.items():
+        nb = 768 // quants.quant_type(kind).block
+        assert lib.specd_repack_bytes(int(kind), 70, 768) == 5 * (-(-nb * size // 64) * 64)
+        assert lib.specd_repack_bytes(int(kind), 70, 768 + 16) == 0  # not whole blocks
+    for kind in (T.F32, T.F16, T.BF16):
+        assert lib.specd_repack_bytes(int(kind), 70, 768) == 0
+        raw = make_weight(kind, 70, 768)
+        w = native.Linear(raw.ctypes.data, int(kind), 70, 768, None)
+        assert quants.repack(w, march) is None and not w.packed
 
 
 @pytest.mark.parametrize("kind", [T.F32, T.F16, T.BF16], ids=lambda t: t.name)
@@ -212,13 +270,14 @@ def test_float_weights_any_K(kind, march):
 
 # ---- (e) bias ----
 
-@pytest.mark.parametrize("kind", [T.F16, T.Q8_0, T.Q4_K, T.Q6_K], ids=lambda t: t.name)
-def test_bias_is_added_last(kind):
+@pytest.mark.parametrize("kind", [T.F16, T.Q8_0, T.Q5_0, T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("packed", [False, True], ids=["stored", "packed"])
+def test_bias_is_added_last(kind, packed):
     raw = make_weight(kind)
     x = torch.randn(5, K)
     bias = torch.randn(N)
-    plain = quants.matmul(x, raw, kind, N, K)
-    assert torch.equal(quants.matmul(x, raw, kind, N, K, bias=bias), plain + bias)
+    plain = quants.matmul(x, raw, kind, N, K, packed=packed)
+    assert torch.equal(quants.matmul(x, raw, kind, N, K, bias=bias, packed=packed), plain + bias)
 
 
 # ---- (f) refusal ----

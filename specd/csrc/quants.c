@@ -19,6 +19,7 @@
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "quants.h"
@@ -675,6 +676,663 @@ void specd_quantize_rows(const float *x, int64_t M, int64_t K, int64_t act, void
 }
 
 /* ---------------------------------------------------------------------------------------------
+ * Repacked panels (specd_repack_bytes / specd_repack / gg_linear.packed).
+ *
+ * The same quantised integers, scales and fp16 super-block scales as the stored blocks (a repack,
+ * not a requantisation), reorganised so that one vector holds 4 consecutive values of each of 16
+ * output columns (byte 4 * col + i: column col's value k0 + i): each activation's 4 bytes are
+ * broadcast and one dpbusd (or maddubs + madd) adds the 4 products of every column into that
+ * column's own int32 lane. No horizontal sums; a tile of rows shares each decoded weight vector.
+ *
+ * Layout: columns in panels of PW = 16 (the last one padded with zero columns); a panel is its
+ * NB blocks' integer parts (QB bytes each, multiples of 64), then their scale parts (SB bytes
+ * each), the whole rounded up to 64 bytes. Per block, per type ("vector" = 64 bytes, 4 values
+ * of each of the 16 columns; col-arrays below are [.][16 columns]):
+ *   Q4_K: qs [8 sub-blocks j][4 c][64]: low nibble k = 32j + 4c + i, high nibble k = 32j + 16 + 4c + i
+ *         (Q5_K: then qh [8 j][8 vectors v][8 bytes]: bit 4 col + i of mask v = the fifth bit of
+ *         vector v's value, v < 4 the low nibbles of c = v, else the high nibbles of c = v - 4);
+ *         scales sc [8 j][16] u8, mins [4 i][16][2] u8 (m_2i, m_2i+1), d [16] fp16, dmin [16] fp16.
+ *   Q6_K: per 16-value sub-block j: ql0, ql1, qh (3 vectors): values 0..63 of k = 16j + 4t + i:
+ *         low 4 bits of t = 0/1 in ql0's low/high nibbles, t = 2/3 in ql1's; the top 2 bits of t at
+ *         bits 2t, 2t + 1 of qh; scales [16 j][16] int8, d [16] fp16.
+ *   Q8_0: 8 vectors (k = 4t + i) of the int8 values; d [16] fp16.
+ *   Q5_0 / Q4_0: 4 vectors of nibbles (low: k = 4c + i, high: k = 16 + 4c + i), Q5_0 then 8 masks
+ *         of fifth bits (vector t = k 4t + i: t < 4 low nibbles, else high); d [16] fp16.
+ *
+ * The product, per (row, column) lane and block: isum = the exact int32 block dot with the type's
+ * integer sub-block scales (dot of sub-block j times sc_j, int32 mullo), the unsigned storage's
+ * offset taken out exactly (Q6_K's 32, Q5_0's 16, Q4_0's 8, Q8_0's 128 on VNNI: the dot starts at
+ * -offset * sum(x), computed per row before the tiles), imin = sum_j m_j * sum_j(x) for Q4_K / Q5_K;
+ * then acc += (d_w * d_x) * isum [- (dmin_w * d_x) * imin] in float, block after block. The
+ * float steps are lane-wise, in one order, whatever the tile's rows or strips, so every row of
+ * any M equals its one-row product bit for bit. AVX-512 builds take a panel (16 lanes) at a time;
+ * AVX2 builds the same layout as two strips of 8 columns (the 32-byte halves).
+ */
+/* Tiles: up to PK_TILE rows times PK_P strips (16 columns each in AVX-512 builds, 8 in AVX2
+ * builds). Measured on the target's shapes with weights streaming from DRAM: more strips at once
+ * (more independent weight streams in flight) beat taller tiles, which spill registers anyway. */
+#define PW 16
+#if WIDE
+#define LANES 16
+#define PK_TILE 5
+#define PK_P 3
+#else
+#define LANES 8
+#define PK_TILE 4
+#define PK_P 4
+#endif
+#define SPP (PW / LANES) /* strips per panel */
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+#define VNNI 1
+#else
+#define VNNI 0
+#endif
+
+#if WIDE
+typedef __m512i vi;
+typedef __m512 vf;
+INLINE vi vload(const uint8_t *p) { return _mm512_loadu_si512((const void *)p); }
+INLINE vi vzero(void) { return _mm512_setzero_si512(); }
+INLINE vi vset8(int c) { return _mm512_set1_epi8((char)c); }
+INLINE vi vset32(int32_t c) { return _mm512_set1_epi32(c); }
+INLINE vi vand(vi a, vi b) { return _mm512_and_si512(a, b); }
+INLINE vi vor(vi a, vi b) { return _mm512_or_si512(a, b); }
+INLINE vi vxor(vi a, vi b) { return _mm512_xor_si512(a, b); }
+INLINE vi vsrl16(vi a, int n) { return _mm512_srli_epi16(a, n); }
+INLINE vi vsll16(vi a, int n) { return _mm512_slli_epi16(a, n); }
+INLINE vi vadd32(vi a, vi b) { return _mm512_add_epi32(a, b); }
+INLINE vi vmullo(vi a, vi b) { return _mm512_mullo_epi32(a, b); }
+INLINE vi vu8to32(const uint8_t *p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
+INLINE vi vs8to32(const uint8_t *p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)); }
+INLINE vi vu8to16(const uint8_t *p) { return _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p)); }
+INLINE vf vhalf(const uint8_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+INLINE vf vfzero(void) { return _mm512_setzero_ps(); }
+INLINE vf vcvt(vi a) { return _mm512_cvtepi32_ps(a); }
+INLINE vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+INLINE vf vfmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+INLINE vf vfnmadd(vf a, vf b, vf c) { return _mm512_fnmadd_ps(a, b, c); }
+INLINE vf vsetps(float f) { return _mm512_set1_ps(f); }
+/* v + 16 in the bytes whose bit is set in the LANES * 4 bits at p (the fifth bit of 5-bit values) */
+INLINE vi vhigh5(vi v, const uint8_t *p)
+{
+    uint64_t m;
+    memcpy(&m, p, 8);
+    return _mm512_mask_add_epi8(v, _cvtu64_mask64(m), v, _mm512_set1_epi8(16));
+}
+#if VNNI
+INLINE vi vdot(vi acc, vi u, vi s) { return _mm512_dpbusd_epi32(acc, u, s); }
+/* vdot against the 4 signed bytes at p broadcast, the broadcast folded into the instruction's
+ * memory operand (compilers keep a separate vpbroadcastd, one more uop a product) */
+INLINE vi vdotx(vi acc, vi u, const uint8_t *p)
+{
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*(const int32_t *)p));
+    return acc;
+}
+#define HAVE_DOTX 1
+INLINE vi vdotw(vi acc, vi a, vi b) { return _mm512_dpwssd_epi32(acc, a, b); }
+#else
+INLINE vi vdot(vi acc, vi u, vi s)
+{
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)));
+}
+INLINE vi vdotw(vi acc, vi a, vi b) { return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b)); }
+#endif
+INLINE void vstore(float *y, vf v, const float *bias, int n)
+{
+    const __mmask16 keep = n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1);
+    if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(keep, bias));
+    _mm512_mask_storeu_ps(y, keep, v);
+}
+#else
+typedef __m256i vi;
+typedef __m256 vf;
+INLINE vi vload(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+INLINE vi vzero(void) { return _mm256_setzero_si256(); }
+INLINE vi vset8(int c) { return _mm256_set1_epi8((char)c); }
+INLINE vi vset32(int32_t c) { return _mm256_set1_epi32(c); }
+INLINE vi vand(vi a, vi b) { return _mm256_and_si256(a, b); }
+INLINE vi vor(vi a, vi b) { return _mm256_or_si256(a, b); }
+INLINE vi vxor(vi a, vi b) { return _mm256_xor_si256(a, b); }
+INLINE vi vsrl16(vi a, int n) { return _mm256_srli_epi16(a, n); }
+INLINE vi vsll16(vi a, int n) { return _mm256_slli_epi16(a, n); }
+INLINE vi vadd32(vi a, vi b) { return _mm256_add_epi32(a, b); }
+INLINE vi vmullo(vi a, vi b) { return _mm256_mullo_epi32(a, b); }
+INLINE vi vu8to32(const uint8_t *p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
+INLINE vi vs8to32(const uint8_t *p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
+INLINE vi vu8to16(const uint8_t *p) { return _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p)); }
+INLINE vf vhalf(const uint8_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+INLINE vf vfzero(void) { return _mm256_setzero_ps(); }
+INLINE vf vcvt(vi a) { return _mm256_cvtepi32_ps(a); }
+INLINE vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+INLINE vf vfmadd(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+INLINE vf vfnmadd(vf a, vf b, vf c) { return _mm256_fnmadd_ps(a, b, c); }
+INLINE vf vsetps(float f) { return _mm256_set1_ps(f); }
+INLINE vi vhigh5(vi v, const uint8_t *p)
+{
+    uint32_t m;
+    memcpy(&m, p, 4);
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)m),
+                                               _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL,
+                                                                 0x0101010101010101LL, 0));
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    return _mm256_or_si256(v, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(16)));
+}
+#if VNNI
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+INLINE vi vdot(vi acc, vi u, vi s) { return _mm256_dpbusd_epi32(acc, u, s); }
+INLINE vi vdotw(vi acc, vi a, vi b) { return _mm256_dpwssd_epi32(acc, a, b); }
+#else
+INLINE vi vdot(vi acc, vi u, vi s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
+INLINE vi vdotw(vi acc, vi a, vi b) { return _mm256_dpwssd_avx_epi32(acc, a, b); }
+#endif
+#else
+/* maddubs pairs cannot saturate here: the unsigned weights are at most 63 (|x| <= 127), or |w| <= 128 for Q8_0 */
+INLINE vi vdot(vi acc, vi u, vi s)
+{
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
+INLINE vi vdotw(vi acc, vi a, vi b) { return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)); }
+#endif
+INLINE void vstore(float *y, vf v, const float *bias, int n)
+{
+    float out[8];
+    _mm256_storeu_ps(out, v);
+    for (int i = 0; i < n && i < 8; i++) y[i] = bias ? out[i] + bias[i] : out[i];
+}
+#endif
+
+/* 4 activation bytes broadcast to every lane. */
+INLINE vi vbcast(const uint8_t *p)
+{
+    int32_t v;
+    memcpy(&v, p, 4);
+    return vset32(v);
+}
+#ifndef HAVE_DOTX
+INLINE vi vdotx(vi acc, vi u, const uint8_t *p) { return vdot(acc, u, vbcast(p)); }
+#endif
+
+/* What a tile call needs: the packed weight, its first strip, R activation rows (x, row stride
+ * xs bytes) with their per-row integer extras (ex, stride exs int32s), and R output rows. */
+typedef struct {
+    const uint8_t *w;
+    int64_t pbytes, NB, s0;
+    const uint8_t *x;
+    int64_t xs;
+    const int32_t *ex;
+    int64_t exs;
+    const float *bias;
+    float *y;
+    int64_t N;
+} pk_args;
+
+
+
+#define UNROLL _Pragma("GCC unroll 16")
+
+/* Strip p of a tile: its panel's integer part (already at the strip's bytes), scale part and
+ * column offset h (0, or 8 for an AVX2 build's second half). */
+#define STRIPS(QB)                                                                                           \
+    const uint8_t *qp[PK_P], *sp[PK_P];                                                                      \
+    int h[PK_P];                                                                                             \
+    UNROLL for (int p = 0; p < P; p++) {                                                                            \
+        const int64_t strip = A->s0 + p;                                                                     \
+        const uint8_t *panel = A->w + strip / SPP * A->pbytes;                                               \
+        h[p] = (int)(strip % SPP) * LANES;                                                                   \
+        qp[p] = panel + 4 * h[p];                                                                            \
+        sp[p] = panel + A->NB * (QB);                                                                        \
+    }
+
+#define STORE()                                                                                              \
+    UNROLL for (int p = 0; p < P; p++) {                                                                            \
+        const int64_t n = (A->s0 + p) * LANES;                                                               \
+        const int left = (int)(A->N - n < LANES ? A->N - n : LANES);                                        \
+        UNROLL for (int r = 0; r < R; r++) vstore(A->y + r * A->N + n, acc[r][p], A->bias ? A->bias + n : 0, left);  \
+    }
+
+/* Q4_K (HIGH 0) and Q5_K (HIGH 1). */
+#define QB_Q4_K 2048
+#define QB_Q5_K 2560
+#define SB_QK45 320
+INLINE void pk_qk45(const pk_args *A, const int R, const int P, const int HIGH)
+{
+    const int64_t QB = HIGH ? QB_Q5_K : QB_Q4_K;
+    STRIPS(QB)
+    const vi m4 = vset8(0x0F);
+    vf acc[PK_TILE][PK_P];
+    UNROLL for (int r = 0; r < R; r++)
+        UNROLL for (int p = 0; p < P; p++) acc[r][p] = vfzero();
+    for (int64_t b = 0; b < A->NB; b++) {
+        vi isum[PK_TILE][PK_P];
+        UNROLL for (int r = 0; r < R; r++)
+            UNROLL for (int p = 0; p < P; p++) isum[r][p] = vzero();
+        for (int j = 0; j < 8; j++) {
+            vi dot[PK_TILE][PK_P];
+            UNROLL for (int r = 0; r < R; r++)
+                UNROLL for (int p = 0; p < P; p++) dot[r][p] = vzero();
+            UNROLL for (int c = 0; c < 4; c++) {
+                vi lo[PK_P], hi[PK_P];
+                UNROLL for (int p = 0; p < P; p++) {
+                    const uint8_t *q = qp[p] + b * QB + (4 * j + c) * 64;
+                    const vi v = vload(q);
+                    lo[p] = vand(v, m4), hi[p] = vand(vsrl16(v, 4), m4);
+                    if (HIGH) {
+                        const uint8_t *bits = qp[p] - 4 * h[p] + b * QB + QB_Q4_K + (8 * j + c) * 8 + h[p] / 2;
+                        lo[p] = vhigh5(lo[p], bits), hi[p] = vhigh5(hi[p], bits + 32);
+                    }
+                }
+                UNROLL for (int r = 0; r < R; r++) {
+                    const uint8_t *xq = A->x + r * A->xs + b * (int64_t)sizeof(gg_q8_K) + 4 + 32 * j + 4 * c;
+                    UNROLL for (int p = 0; p < P; p++) dot[r][p] = vdotx(vdotx(dot[r][p], lo[p], xq), hi[p], xq + 16);
+                }
+            }
+            UNROLL for (int p = 0; p < P; p++) {
+                const vi sc = vu8to32(sp[p] + b * SB_QK45 + 16 * j + h[p]);
+                UNROLL for (int r = 0; r < R; r++) isum[r][p] = vadd32(isum[r][p], vmullo(dot[r][p], sc));
+            }
+        }
+        UNROLL for (int p = 0; p < P; p++) {
+            const uint8_t *s = sp[p] + b * SB_QK45;
+            vi mins[4];
+            UNROLL for (int i = 0; i < 4; i++) mins[i] = vu8to16(s + 128 + 32 * i + 2 * h[p]);
+            const vf d = vhalf(s + 256 + 2 * h[p]), dmin = vhalf(s + 288 + 2 * h[p]);
+            UNROLL for (int r = 0; r < R; r++) {
+                const int32_t *e = A->ex + r * A->exs + 4 * b;
+                vi imin = vzero();
+                UNROLL for (int i = 0; i < 4; i++) imin = vdotw(imin, mins[i], vset32(e[i]));
+                const vf dx = vsetps(((const gg_q8_K *)(A->x + r * A->xs) + b)->d);
+                acc[r][p] = vfmadd(vmul(d, dx), vcvt(isum[r][p]), acc[r][p]);
+                acc[r][p] = vfnmadd(vmul(dmin, dx), vcvt(imin), acc[r][p]);
+            }
+        }
+    }
+    STORE()
+}
+
+/* Q6_K: unsigned values 0..63, dot_j starting at -32 * bsum_j (ex), times the int8 scale. */
+#define QB_Q6_K 3072
+#define SB_Q6_K 288
+INLINE void pk6(const pk_args *A, const int R, const int P)
+{
+    STRIPS(QB_Q6_K)
+    const vi m4 = vset8(0x0F), m30 = vset8(0x30);
+    vf acc[PK_TILE][PK_P];
+    UNROLL for (int r = 0; r < R; r++)
+        UNROLL for (int p = 0; p < P; p++) acc[r][p] = vfzero();
+    for (int64_t b = 0; b < A->NB; b++) {
+        vi isum[PK_TILE][PK_P];
+        UNROLL for (int r = 0; r < R; r++)
+            UNROLL for (int p = 0; p < P; p++) isum[r][p] = vzero();
+        for (int j = 0; j < 16; j++) {
+            vi v[4][PK_P];
+            UNROLL for (int p = 0; p < P; p++) {
+                const uint8_t *q = qp[p] + b * QB_Q6_K + 192 * j;
+                const vi a = vload(q), c = vload(q + 64), hb = vload(q + 128);
+                v[0][p] = vor(vand(a, m4), vand(vsll16(hb, 4), m30));
+                v[1][p] = vor(vand(vsrl16(a, 4), m4), vand(vsll16(hb, 2), m30));
+                v[2][p] = vor(vand(c, m4), vand(hb, m30));
+                v[3][p] = vor(vand(vsrl16(c, 4), m4), vand(vsrl16(hb, 2), m30));
+            }
+            vi dot[PK_TILE][PK_P];
+            UNROLL for (int r = 0; r < R; r++) {
+                const uint8_t *xq = A->x + r * A->xs + b * (int64_t)sizeof(gg_q8_K) + 4 + 16 * j;
+                const vi start = vset32(A->ex[r * A->exs + 16 * b + j]);
+                UNROLL for (int p = 0; p < P; p++) dot[r][p] = start;
+                UNROLL for (int t = 0; t < 4; t++)
+                    UNROLL for (int p = 0; p < P; p++) dot[r][p] = vdotx(dot[r][p], v[t][p], xq + 4 * t);
+            }
+            UNROLL for (int p = 0; p < P; p++) {
+                const vi sc = vs8to32(sp[p] + b * SB_Q6_K + 16 * j + h[p]);
+                UNROLL for (int r = 0; r < R; r++) isum[r][p] = vadd32(isum[r][p], vmullo(dot[r][p], sc));
+            }
+        }
+        UNROLL for (int p = 0; p < P; p++) {
+            const vf d = vhalf(sp[p] + b * SB_Q6_K + 256 + 2 * h[p]);
+            UNROLL for (int r = 0; r < R; r++) {
+                const vf dx = vsetps(((const gg_q8_K *)(A->x + r * A->xs) + b)->d);
+                acc[r][p] = vfmadd(vmul(d, dx), vcvt(isum[r][p]), acc[r][p]);
+            }
+        }
+    }
+    STORE()
+}
+
+/* Q8_0 / Q5_0 / Q4_0 against Q8_0 rows: one block of 32 = 8 vectors; the dot starts at
+ * -offset * sum(x) (ex) and acc += (d_w * d_x) * isum. Q8_0 without VNNI multiplies |w| by x
+ * with w's sign (maddubs pairs then stay within int16) and has no offset. */
+#define QB_Q8_0 512
+#define QB_Q5_0 320
+#define QB_Q4_0 256
+#define SB_Q_0 32
+INLINE void pk_q_0(const pk_args *A, const int R, const int P, const int T)
+{
+    const int64_t QB = T == TYPE_Q8_0 ? QB_Q8_0 : T == TYPE_Q5_0 ? QB_Q5_0 : QB_Q4_0;
+    STRIPS(QB)
+    const vi m4 = vset8(0x0F);
+    vf acc[PK_TILE][PK_P];
+    UNROLL for (int r = 0; r < R; r++)
+        UNROLL for (int p = 0; p < P; p++) acc[r][p] = vfzero();
+    for (int64_t b = 0; b < A->NB; b++) {
+        vi v[8][PK_P];
+        UNROLL for (int p = 0; p < P; p++) {
+            const uint8_t *q = qp[p] + b * QB;
+            if (T == TYPE_Q8_0) {
+                UNROLL for (int t = 0; t < 8; t++) v[t][p] = VNNI ? vxor(vload(q + 64 * t), vset8(0x80)) : vload(q + 64 * t);
+            } else {
+                UNROLL for (int c = 0; c < 4; c++) {
+                    const vi n = vload(q + 64 * c);
+                    v[c][p] = vand(n, m4), v[c + 4][p] = vand(vsrl16(n, 4), m4);
+                }
+                if (T == TYPE_Q5_0) {
+                    const uint8_t *bits = q - 4 * h[p] + 256 + h[p] / 2;
+                    UNROLL for (int t = 0; t < 8; t++) v[t][p] = vhigh5(v[t][p], bits + 8 * t);
+                }
+            }
+        }
+        vi dot[PK_TILE][PK_P];
+        UNROLL for (int r = 0; r < R; r++) {
+            const uint8_t *xq = A->x + r * A->xs + b * (int64_t)sizeof(gg_q8_0) + 4;
+            const vi start = vset32(A->ex[r * A->exs + b]);
+            UNROLL for (int p = 0; p < P; p++) dot[r][p] = start;
+            UNROLL for (int t = 0; t < 8; t++)
+                UNROLL for (int p = 0; p < P; p++) {
+#if !VNNI && !WIDE
+                    if (T == TYPE_Q8_0) {
+                        const vi xt = vbcast(xq + 4 * t);
+                        dot[r][p] = vdot(dot[r][p], _mm256_abs_epi8(v[t][p]), _mm256_sign_epi8(xt, v[t][p]));
+                        continue;
+                    }
+#endif
+                    dot[r][p] = vdotx(dot[r][p], v[t][p], xq + 4 * t);
+                }
+        }
+        UNROLL for (int p = 0; p < P; p++) {
+            const vf d = vhalf(sp[p] + b * SB_Q_0 + 2 * h[p]);
+            UNROLL for (int r = 0; r < R; r++) {
+                const vf dx = vsetps(((const gg_q8_0 *)(A->x + r * A->xs) + b)->d);
+                acc[r][p] = vfmadd(vmul(d, dx), vcvt(dot[r][p]), acc[r][p]);
+            }
+        }
+    }
+    STORE()
+}
+
+typedef void (*pk_fn)(const pk_args *);
+#define PK_FN(NAME, CALL, R, P) \
+    static void NAME##_##R##_##P(const pk_args *A) { CALL(R, P); }
+#if WIDE /* R = 1..5, P = 1..3 */
+#define PK_ROW(NAME, CALL, R) PK_FN(NAME, CALL, R, 1) PK_FN(NAME, CALL, R, 2) PK_FN(NAME, CALL, R, 3)
+#define PK_ENTRY(NAME, R) {NAME##_##R##_1, NAME##_##R##_2, NAME##_##R##_3}
+#define PK_TILES(NAME, CALL)                                                                                 \
+    PK_ROW(NAME, CALL, 1) PK_ROW(NAME, CALL, 2) PK_ROW(NAME, CALL, 3) PK_ROW(NAME, CALL, 4)                  \
+    PK_ROW(NAME, CALL, 5)                                                                                    \
+    static const pk_fn NAME[PK_TILE][PK_P] = {PK_ENTRY(NAME, 1), PK_ENTRY(NAME, 2), PK_ENTRY(NAME, 3),       \
+                                              PK_ENTRY(NAME, 4), PK_ENTRY(NAME, 5)};
+#else /* R = 1..4, P = 1..4 */
+#define PK_ROW(NAME, CALL, R) PK_FN(NAME, CALL, R, 1) PK_FN(NAME, CALL, R, 2) PK_FN(NAME, CALL, R, 3) PK_FN(NAME, CALL, R, 4)
+#define PK_ENTRY(NAME, R) {NAME##_##R##_1, NAME##_##R##_2, NAME##_##R##_3, NAME##_##R##_4}
+#define PK_TILES(NAME, CALL)                                                                                 \
+    PK_ROW(NAME, CALL, 1) PK_ROW(NAME, CALL, 2) PK_ROW(NAME, CALL, 3) PK_ROW(NAME, CALL, 4)                  \
+    static const pk_fn NAME[PK_TILE][PK_P] = {PK_ENTRY(NAME, 1), PK_ENTRY(NAME, 2), PK_ENTRY(NAME, 3),       \
+                                              PK_ENTRY(NAME, 4)};
+#endif
+#define PK_Q4_K(R, P) pk_qk45(A, R, P, 0)
+#define PK_Q5_K(R, P) pk_qk45(A, R, P, 1)
+#define PK_Q6_K(R, P) pk6(A, R, P)
+#define PK_Q8_0(R, P) pk_q_0(A, R, P, TYPE_Q8_0)
+#define PK_Q5_0(R, P) pk_q_0(A, R, P, TYPE_Q5_0)
+#define PK_Q4_0(R, P) pk_q_0(A, R, P, TYPE_Q4_0)
+PK_TILES(pk_q4_K, PK_Q4_K)
+PK_TILES(pk_q5_K, PK_Q5_K)
+PK_TILES(pk_q6_K, PK_Q6_K)
+PK_TILES(pk_q5_0, PK_Q5_0)
+PK_TILES(pk_q4_0, PK_Q4_0)
+#if VNNI || !WIDE
+PK_TILES(pk_q8_0, PK_Q8_0)
+#endif
+
+/* ---- repacking: each stored block decoded to its integers, then placed in the panel ---- */
+
+typedef struct {
+    uint8_t q[QK_K];  /* the unsigned stored values (Q8_0: the int8 bytes) */
+    uint8_t sc[16];   /* sub-block scales (Q6_K: int8 bytes) */
+    uint8_t m[8];     /* sub-block mins */
+    uint16_t d, dmin; /* fp16 bits */
+} ints;
+
+static void ints_qk45(const uint8_t *p, ints *o, const int HIGH)
+{
+    const blk_q4_K *b4 = (const blk_q4_K *)p;
+    const blk_q5_K *b5 = (const blk_q5_K *)p;
+    const uint8_t *scales = HIGH ? b5->scales : b4->scales, *qs = HIGH ? b5->qs : b4->qs;
+    o->d = HIGH ? b5->d : b4->d, o->dmin = HIGH ? b5->dmin : b4->dmin;
+    for (int j = 0; j < 8; j++) {
+        int sc, m;
+        scale_min_k4(j, scales, &sc, &m);
+        o->sc[j] = (uint8_t)sc, o->m[j] = (uint8_t)m;
+        for (int l = 0; l < 32; l++) {
+            int v = j % 2 ? qs[32 * (j / 2) + l] >> 4 : qs[32 * (j / 2) + l] & 0x0F;
+            if (HIGH) v |= ((b5->qh[l] >> j) & 1) << 4;
+            o->q[32 * j + l] = (uint8_t)v;
+        }
+    }
+}
+
+static void ints_q6_K(const uint8_t *p, ints *o)
+{
+    const blk_q6_K *b = (const blk_q6_K *)p;
+    o->d = b->d;
+    memcpy(o->sc, b->scales, 16);
+    for (int hh = 0; hh < 2; hh++) {
+        const uint8_t *ql = b->ql + 64 * hh, *qh = b->qh + 32 * hh;
+        for (int l = 0; l < 32; l++) {
+            o->q[128 * hh + l] = (uint8_t)((ql[l] & 0xF) | ((qh[l] >> 0) & 3) << 4);
+            o->q[128 * hh + 32 + l] = (uint8_t)((ql[l + 32] & 0xF) | ((qh[l] >> 2) & 3) << 4);
+            o->q[128 * hh + 64 + l] = (uint8_t)((ql[l] >> 4) | ((qh[l] >> 4) & 3) << 4);
+            o->q[128 * hh + 96 + l] = (uint8_t)((ql[l + 32] >> 4) | ((qh[l] >> 6) & 3) << 4);
+        }
+    }
+}
+
+static void ints_q_0(const uint8_t *p, ints *o, const int T)
+{
+    memcpy(&o->d, p, 2);
+    if (T == TYPE_Q8_0) {
+        memcpy(o->q, p + 2, 32);
+        return;
+    }
+    uint32_t qh = 0;
+    if (T == TYPE_Q5_0) memcpy(&qh, p + 2, 4);
+    const uint8_t *qs = p + (T == TYPE_Q5_0 ? 6 : 2);
+    for (int i = 0; i < 16; i++) {
+        o->q[i] = (uint8_t)((qs[i] & 0x0F) | ((qh >> i) & 1) << 4);
+        o->q[i + 16] = (uint8_t)((qs[i] >> 4) | ((qh >> (i + 16)) & 1) << 4);
+    }
+}
+
+/* Bits 4 col .. 4 col + 3 of the 64-bit mask at m: the fifth bits of the 4 values at v. */
+INLINE void put_bits(uint8_t *m, int col, const uint8_t *v)
+{
+    const int nib = (v[0] >> 4 & 1) | (v[1] >> 4 & 1) << 1 | (v[2] >> 4 & 1) << 2 | (v[3] >> 4 & 1) << 3;
+    m[col / 2] |= (uint8_t)(nib << 4 * (col % 2));
+}
+
+/* Column col of block o into the panel's block parts q (integers) and s (scales); both zeroed. */
+static void put_qk45(const ints *o, int col, uint8_t *q, uint8_t *s, const int HIGH)
+{
+    for (int j = 0; j < 8; j++)
+        for (int c = 0; c < 4; c++) {
+            const uint8_t *lo = o->q + 32 * j + 4 * c, *hi = lo + 16;
+            for (int i = 0; i < 4; i++) q[(4 * j + c) * 64 + 4 * col + i] = (uint8_t)((lo[i] & 0x0F) | (hi[i] & 0x0F) << 4);
+            if (HIGH) {
+                put_bits(q + QB_Q4_K + (8 * j + c) * 8, col, lo);
+                put_bits(q + QB_Q4_K + (8 * j + c + 4) * 8, col, hi);
+            }
+        }
+    for (int j = 0; j < 8; j++) s[16 * j + col] = o->sc[j];
+    for (int i = 0; i < 4; i++) s[128 + 32 * i + 2 * col] = o->m[2 * i], s[128 + 32 * i + 2 * col + 1] = o->m[2 * i + 1];
+    memcpy(s + 256 + 2 * col, &o->d, 2);
+    memcpy(s + 288 + 2 * col, &o->dmin, 2);
+}
+
+static void put_q6_K(const ints *o, int col, uint8_t *q, uint8_t *s)
+{
+    for (int j = 0; j < 16; j++) {
+        uint8_t *v = q + 192 * j;
+        for (int i = 0; i < 4; i++) {
+            const int t0 = o->q[16 * j + i], t1 = o->q[16 * j + 4 + i], t2 = o->q[16 * j + 8 + i], t3 = o->q[16 * j + 12 + i];
+            v[4 * col + i] = (uint8_t)((t0 & 0xF) | (t1 & 0xF) << 4);
+            v[64 + 4 * col + i] = (uint8_t)((t2 & 0xF) | (t3 & 0xF) << 4);
+            v[128 + 4 * col + i] = (uint8_t)((t0 >> 4) | (t1 >> 4) << 2 | (t2 >> 4) << 4 | (t3 >> 4) << 6);
+        }
+        s[16 * j + col] = o->sc[j];
+    }
+    memcpy(s + 256 + 2 * col, &o->d, 2);
+}
+
+static void put_q_0(const ints *o, int col, uint8_t *q, uint8_t *s, const int T)
+{
+    if (T == TYPE_Q8_0)
+        for (int t = 0; t < 8; t++) memcpy(q + 64 * t + 4 * col, o->q + 4 * t, 4);
+    else
+        for (int c = 0; c < 4; c++)
+            for (int i = 0; i < 4; i++) q[64 * c + 4 * col + i] = (uint8_t)((o->q[4 * c + i] & 0x0F) | (o->q[16 + 4 * c + i] & 0x0F) << 4);
+    if (T == TYPE_Q5_0)
+        for (int t = 0; t < 8; t++) put_bits(q + 256 + 8 * t, col, o->q + 4 * t);
+    memcpy(s + 2 * col, &o->d, 2);
+}
+
+/* Per-row integer extras the tiles start from (see the top of this section). */
+static void extras_qk45(const uint8_t *x, int64_t NB, int32_t *e)
+{
+    for (int64_t b = 0; b < NB; b++) {
+        const int16_t *bs = ((const gg_q8_K *)x + b)->bsums;
+        for (int i = 0; i < 4; i++) {
+            const int lo = bs[4 * i] + bs[4 * i + 1], hi = bs[4 * i + 2] + bs[4 * i + 3];
+            e[4 * b + i] = (int32_t)((uint32_t)(uint16_t)lo | (uint32_t)(uint16_t)hi << 16);
+        }
+    }
+}
+
+static void extras_q6_K(const uint8_t *x, int64_t NB, int32_t *e)
+{
+    for (int64_t b = 0; b < NB; b++)
+        for (int j = 0; j < 16; j++) e[16 * b + j] = -32 * ((const gg_q8_K *)x + b)->bsums[j];
+}
+
+static void extras_q_0(const uint8_t *x, int64_t NB, int32_t *e, int offset)
+{
+    for (int64_t b = 0; b < NB; b++) {
+        const int8_t *qs = ((const gg_q8_0 *)x + b)->qs;
+        int sum = 0;
+        for (int i = 0; i < 32; i++) sum += qs[i];
+        e[b] = -offset * sum;
+    }
+}
+
+typedef struct {
+    int64_t type;
+    int block, qbytes, sbytes, extras; /* values per block, packed bytes per panel and block, extras per block */
+    const pk_fn (*tiles)[PK_P];
+} pack_info;
+
+static const pack_info PACKS[] = {
+    {GG_Q4_K, QK_K, QB_Q4_K, SB_QK45, 4, pk_q4_K},
+    {GG_Q5_K, QK_K, QB_Q5_K, SB_QK45, 4, pk_q5_K},
+    {GG_Q6_K, QK_K, QB_Q6_K, SB_Q6_K, 16, pk_q6_K},
+#if VNNI || !WIDE
+    {GG_Q8_0, 32, QB_Q8_0, SB_Q_0, 1, pk_q8_0},
+#endif
+    {GG_Q5_0, 32, QB_Q5_0, SB_Q_0, 1, pk_q5_0},
+    {GG_Q4_0, 32, QB_Q4_0, SB_Q_0, 1, pk_q4_0},
+};
+
+static const pack_info *pack_of(int64_t type)
+{
+    for (size_t i = 0; i < sizeof PACKS / sizeof *PACKS; i++)
+        if (PACKS[i].type == type) return PACKS + i;
+    return 0;
+}
+
+static int64_t panel_bytes(const pack_info *t, int64_t K)
+{
+    return (K / t->block * (t->qbytes + t->sbytes) + 63) / 64 * 64;
+}
+
+int64_t specd_repack_bytes(int64_t type, int64_t N, int64_t K)
+{
+    const pack_info *t = pack_of(type);
+    if (!t || N <= 0 || K <= 0 || K % t->block) return 0;
+    return (N + PW - 1) / PW * panel_bytes(t, K);
+}
+
+void specd_repack(const gg_linear *w, void *out, int threads)
+{
+    const pack_info *t = pack_of(w->type);
+    const type_info *ti = type_of(w->type);
+    if (!t || !ti || specd_repack_bytes(w->type, w->N, w->K) == 0) return;
+    const int64_t N = w->N, NB = w->K / t->block, wrow = NB * ti->bytes, pb = panel_bytes(t, w->K);
+    const int64_t panels = (N + PW - 1) / PW;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (int64_t p = 0; p < panels; p++) {
+        uint8_t *panel = (uint8_t *)out + p * pb;
+        memset(panel, 0, pb);
+        ints o;
+        for (int col = 0; col < PW && p * PW + col < N; col++) {
+            const uint8_t *row = (const uint8_t *)w->data + (p * PW + col) * wrow;
+            for (int64_t b = 0; b < NB; b++) {
+                const uint8_t *blk = row + b * ti->bytes;
+                uint8_t *q = panel + b * t->qbytes, *s = panel + NB * t->qbytes + b * t->sbytes;
+                switch (w->type) {
+                case GG_Q4_K: ints_qk45(blk, &o, 0), put_qk45(&o, col, q, s, 0); break;
+                case GG_Q5_K: ints_qk45(blk, &o, 1), put_qk45(&o, col, q, s, 1); break;
+                case GG_Q6_K: ints_q6_K(blk, &o), put_q6_K(&o, col, q, s); break;
+                case GG_Q8_0: ints_q_0(blk, &o, TYPE_Q8_0), put_q_0(&o, col, q, s, TYPE_Q8_0); break;
+                case GG_Q5_0: ints_q_0(blk, &o, TYPE_Q5_0), put_q_0(&o, col, q, s, TYPE_Q5_0); break;
+                case GG_Q4_0: ints_q_0(blk, &o, TYPE_Q4_0), put_q_0(&o, col, q, s, TYPE_Q4_0); break;
+                }
+            }
+        }
+    }
+}
+
+/* The packed product: per-row extras first, then strips in groups of PK_P (threads split the
+ * groups, never K), each group's rows in as few tiles as can be, of balanced sizes (which tile
+ * and group a row and column land in changes no step of theirs). */
+static void matmul_packed(const gg_linear *w, const pack_info *t, const uint8_t *X, int64_t M, float *y, int threads)
+{
+    const int64_t K = w->K, N = w->N, NB = K / t->block, act = specd_act_of(w->type);
+    const int64_t xs = specd_act_row_bytes(act, K), exs = NB * t->extras;
+    int32_t *ex = malloc(sizeof(int32_t) * (M * exs + 1));
+    for (int64_t m = 0; m < M; m++) {
+        const uint8_t *row = X + m * xs;
+        int32_t *e = ex + m * exs;
+        switch (w->type) {
+        case GG_Q4_K: case GG_Q5_K: extras_qk45(row, NB, e); break;
+        case GG_Q6_K: extras_q6_K(row, NB, e); break;
+        case GG_Q8_0: extras_q_0(row, NB, e, VNNI ? 128 : 0); break;
+        case GG_Q5_0: extras_q_0(row, NB, e, 16); break;
+        case GG_Q4_0: extras_q_0(row, NB, e, 8); break;
+        }
+    }
+    const int64_t strips = (N + LANES - 1) / LANES, tiles = (M + PK_TILE - 1) / PK_TILE;
+    const int64_t G = PK_P, groups = (strips + G - 1) / G;
+    const int64_t pb = panel_bytes(t, K);
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t s0 = g * G, P = strips - s0 < G ? strips - s0 : G;
+        for (int64_t i = 0, m0 = 0; i < tiles; i++) {
+            const int64_t R = M / tiles + (i < M % tiles);
+            const pk_args a = {(const uint8_t *)w->packed, pb, NB, s0, X + m0 * xs, xs, ex + m0 * exs, exs,
+                               w->bias, y + m0 * N, N};
+            t->tiles[R - 1][P - 1](&a);
+            m0 += R;
+        }
+    }
+    free(ex);
+}
+
+/* ---------------------------------------------------------------------------------------------
  * The product. Columns are split among threads in chunks of NCHUNK; inside a chunk every tile
  * visits each column. M rows go in as few tiles as can be, of balanced sizes (9 rows: 5 + 4 or
  * 3 + 3 + 3): which tile a row lands in changes no step of its own. */
@@ -683,6 +1341,11 @@ void specd_matmul(const gg_linear *w, const void *x, int64_t M, float *y, int th
 {
     const type_info *t = type_of(w->type);
     if (!t || M <= 0) return;
+    const pack_info *packed = w->packed ? pack_of(w->type) : 0;
+    if (packed) {
+        matmul_packed(w, packed, (const uint8_t *)x, M, y, threads);
+        return;
+    }
     const int64_t N = w->N, K = w->K, wrow = K / t->block * t->bytes, xs = specd_act_row_bytes(t->act, K);
     const uint8_t *W = (const uint8_t *)w->data, *X = (const uint8_t *)x;
     const float *bias = w->bias;

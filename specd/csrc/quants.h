@@ -26,12 +26,15 @@ enum { ACT_F32 = 0, ACT_Q8_0 = 1, ACT_Q8_K = 2 };
 typedef struct { float d; int8_t qs[32]; } gg_q8_0; /* 36 bytes */
 typedef struct { float d; int8_t qs[256]; int16_t bsums[16]; } gg_q8_K; /* ggml's block_q8_K, 292 bytes */
 
-/* A linear's weight as stored: data points at row 0's first block. bias [N] float32 or NULL. */
+/* A linear's weight as stored: data points at row 0's first block. bias [N] float32 or NULL.
+ * packed: NULL, or the same weight repacked into column panels by specd_repack (the products then
+ * read it instead of data; embedding lookups keep reading data). */
 typedef struct {
     const void *data;
     int64_t type; /* a GG_* id */
     int64_t N, K;
     const float *bias;
+    const void *packed;
 } gg_linear;
 
 /* The activation format a weight type multiplies, or -1 when the type has no kernel. */
@@ -43,6 +46,13 @@ void specd_quantize_rows(const float *x, int64_t M, int64_t K, int64_t act, void
 /* y [M, N] = x @ W.T (+ bias), x being M activation rows in W's format (specd_act_of(W->type)).
  * Each y[m][n] independent of M and of the other rows (see above). */
 void specd_matmul(const gg_linear *w, const void *x, int64_t M, float *y, int threads);
+/* Bytes of W [N, K] of `type` repacked into column panels (quants.c: the same integers and scales,
+ * laid out so each output column accumulates in its own vector lane), or 0 when this build has no
+ * panel kernel for the type. The layout belongs to the library build (march) that made it. */
+int64_t specd_repack_bytes(int64_t type, int64_t N, int64_t K);
+/* w's stored rows -> out (specd_repack_bytes bytes, 64-byte aligned for speed); then set
+ * w->packed = out. Results differ from the stored path's in float rounding only. */
+void specd_repack(const gg_linear *w, void *out, int threads);
 /* Rows `rows[0..M)` of W dequantised to float32: out [M, K] (an embedding lookup). */
 void specd_dequantize_rows(const gg_linear *w, const int64_t *rows, int64_t M, float *out);
 
