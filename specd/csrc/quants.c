@@ -15,6 +15,12 @@
  * VNNI dpwssd / dpbusd (no saturation in either), and in AVX-512 builds 64-byte decodes whose
  * 16 lanes fold into those very 8 (some tile sizes take one, some the other). Every path then runs
  * the same float steps, so the native and haswell builds even agree with each other today.
+ *
+ * A weight repacked at load (specd_repack, gg_linear.packed) is multiplied by the panel kernels
+ * of the "Repacked panels" section instead: one output column per vector lane, so no horizontal
+ * sums and several rows sharing each decoded weight vector; batch-invariant by the same argument
+ * (exact integer block dots, then a fixed float order per lane). Its float steps differ from the
+ * stored path's, so a repacked weight's products differ from the stored one's in rounding.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -777,6 +783,9 @@ INLINE vi vdot(vi acc, vi u, vi s)
 }
 INLINE vi vdotw(vi acc, vi a, vi b) { return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b)); }
 #endif
+INLINE vi vabs8(vi a) { return _mm512_abs_epi8(a); }
+/* x with the sign of w byte by byte (x where w > 0, -x where w < 0; w = 0 meets |w| = 0) */
+INLINE vi vsign8(vi x, vi w) { return _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x); }
 INLINE void vstore(float *y, vf v, const float *bias, int n)
 {
     const __mmask16 keep = n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1);
@@ -826,13 +835,16 @@ INLINE vi vdot(vi acc, vi u, vi s) { return _mm256_dpbusd_avx_epi32(acc, u, s); 
 INLINE vi vdotw(vi acc, vi a, vi b) { return _mm256_dpwssd_avx_epi32(acc, a, b); }
 #endif
 #else
-/* maddubs pairs cannot saturate here: the unsigned weights are at most 63 (|x| <= 127), or |w| <= 128 for Q8_0 */
+/* maddubs pairs cannot saturate here: the unsigned weights are at most 63 (|x| <= 127), or |w| <= 128
+ * for Q8_0 (see pk_q_0) */
 INLINE vi vdot(vi acc, vi u, vi s)
 {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 }
 INLINE vi vdotw(vi acc, vi a, vi b) { return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)); }
 #endif
+INLINE vi vabs8(vi a) { return _mm256_abs_epi8(a); }
+INLINE vi vsign8(vi x, vi w) { return _mm256_sign_epi8(x, w); }
 INLINE void vstore(float *y, vf v, const float *bias, int n)
 {
     float out[8];
@@ -866,28 +878,30 @@ typedef struct {
     int64_t N;
 } pk_args;
 
-
-
+/* The tiles' loops over rows, strips and vectors are unrolled (their bounds are constants of each
+ * instance) so that accumulators live in registers. */
 #define UNROLL _Pragma("GCC unroll 16")
 
-/* Strip p of a tile: its panel's integer part (already at the strip's bytes), scale part and
- * column offset h (0, or 8 for an AVX2 build's second half). */
-#define STRIPS(QB)                                                                                           \
-    const uint8_t *qp[PK_P], *sp[PK_P];                                                                      \
-    int h[PK_P];                                                                                             \
-    UNROLL for (int p = 0; p < P; p++) {                                                                            \
-        const int64_t strip = A->s0 + p;                                                                     \
-        const uint8_t *panel = A->w + strip / SPP * A->pbytes;                                               \
-        h[p] = (int)(strip % SPP) * LANES;                                                                   \
-        qp[p] = panel + 4 * h[p];                                                                            \
-        sp[p] = panel + A->NB * (QB);                                                                        \
+/* Strip p of a tile: its panel's integer part (at the strip's bytes), scale part and first
+ * column h within the panel (0, or 8 for an AVX2 build's second half). */
+#define STRIPS(QB)                                                                                   \
+    const uint8_t *qp[PK_P], *sp[PK_P];                                                              \
+    int h[PK_P];                                                                                     \
+    UNROLL for (int p = 0; p < P; p++) {                                                             \
+        const int64_t strip = A->s0 + p;                                                             \
+        const uint8_t *panel = A->w + strip / SPP * A->pbytes;                                       \
+        h[p] = (int)(strip % SPP) * LANES;                                                           \
+        qp[p] = panel + 4 * h[p];                                                                    \
+        sp[p] = panel + A->NB * (QB);                                                                \
     }
 
-#define STORE()                                                                                              \
-    UNROLL for (int p = 0; p < P; p++) {                                                                            \
-        const int64_t n = (A->s0 + p) * LANES;                                                               \
-        const int left = (int)(A->N - n < LANES ? A->N - n : LANES);                                        \
-        UNROLL for (int r = 0; r < R; r++) vstore(A->y + r * A->N + n, acc[r][p], A->bias ? A->bias + n : 0, left);  \
+/* y[r][n] = acc (+ bias[n]) for the strip's columns below N. */
+#define STORE()                                                                                      \
+    UNROLL for (int p = 0; p < P; p++) {                                                             \
+        const int64_t n = (A->s0 + p) * LANES;                                                       \
+        const int left = (int)(A->N - n < LANES ? A->N - n : LANES);                                 \
+        UNROLL for (int r = 0; r < R; r++)                                                           \
+            vstore(A->y + r * A->N + n, acc[r][p], A->bias ? A->bias + n : 0, left);                 \
     }
 
 /* Q4_K (HIGH 0) and Q5_K (HIGH 1). */
@@ -999,7 +1013,7 @@ INLINE void pk6(const pk_args *A, const int R, const int P)
 
 /* Q8_0 / Q5_0 / Q4_0 against Q8_0 rows: one block of 32 = 8 vectors; the dot starts at
  * -offset * sum(x) (ex) and acc += (d_w * d_x) * isum. Q8_0 without VNNI multiplies |w| by x
- * with w's sign (maddubs pairs then stay within int16) and has no offset. */
+ * with w's sign (maddubs pairs then stay within int16: 128 * 127 * 2 < 2^15) and has no offset. */
 #define QB_Q8_0 512
 #define QB_Q5_0 320
 #define QB_Q4_0 256
@@ -1036,10 +1050,9 @@ INLINE void pk_q_0(const pk_args *A, const int R, const int P, const int T)
             UNROLL for (int p = 0; p < P; p++) dot[r][p] = start;
             UNROLL for (int t = 0; t < 8; t++)
                 UNROLL for (int p = 0; p < P; p++) {
-#if !VNNI && !WIDE
+#if !VNNI
                     if (T == TYPE_Q8_0) {
-                        const vi xt = vbcast(xq + 4 * t);
-                        dot[r][p] = vdot(dot[r][p], _mm256_abs_epi8(v[t][p]), _mm256_sign_epi8(xt, v[t][p]));
+                        dot[r][p] = vdot(dot[r][p], vabs8(v[t][p]), vsign8(vbcast(xq + 4 * t), v[t][p]));
                         continue;
                     }
 #endif
@@ -1087,9 +1100,7 @@ PK_TILES(pk_q5_K, PK_Q5_K)
 PK_TILES(pk_q6_K, PK_Q6_K)
 PK_TILES(pk_q5_0, PK_Q5_0)
 PK_TILES(pk_q4_0, PK_Q4_0)
-#if VNNI || !WIDE
 PK_TILES(pk_q8_0, PK_Q8_0)
-#endif
 
 /* ---- repacking: each stored block decoded to its integers, then placed in the panel ---- */
 
@@ -1240,9 +1251,7 @@ static const pack_info PACKS[] = {
     {GG_Q4_K, QK_K, QB_Q4_K, SB_QK45, 4, pk_q4_K},
     {GG_Q5_K, QK_K, QB_Q5_K, SB_QK45, 4, pk_q5_K},
     {GG_Q6_K, QK_K, QB_Q6_K, SB_Q6_K, 16, pk_q6_K},
-#if VNNI || !WIDE
     {GG_Q8_0, 32, QB_Q8_0, SB_Q_0, 1, pk_q8_0},
-#endif
     {GG_Q5_0, 32, QB_Q5_0, SB_Q_0, 1, pk_q5_0},
     {GG_Q4_0, 32, QB_Q4_0, SB_Q_0, 1, pk_q4_0},
 };

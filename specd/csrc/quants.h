@@ -50,8 +50,9 @@ void specd_matmul(const gg_linear *w, const void *x, int64_t M, float *y, int th
  * laid out so each output column accumulates in its own vector lane), or 0 when this build has no
  * panel kernel for the type. The layout belongs to the library build (march) that made it. */
 int64_t specd_repack_bytes(int64_t type, int64_t N, int64_t K);
-/* w's stored rows -> out (specd_repack_bytes bytes, 64-byte aligned for speed); then set
- * w->packed = out. Results differ from the stored path's in float rounding only. */
+/* w's stored rows -> out (specd_repack_bytes bytes, 64-byte aligned for speed; threads split the
+ * panels). The caller then sets w->packed = out. Products through the panels are batch-invariant
+ * too; they differ from the stored path's in float rounding only. */
 void specd_repack(const gg_linear *w, void *out, int threads);
 /* Rows `rows[0..M)` of W dequantised to float32: out [M, K] (an embedding lookup). */
 void specd_dequantize_rows(const gg_linear *w, const int64_t *rows, int64_t M, float *out);
