@@ -215,8 +215,8 @@ def quality(name: str) -> Callable[[Path], str]:
                                           + ": its perplexity there is of its own tokens (no ratio), its argmax "
                                             "llama-server's at every scored position of specd's tokens")
                 + " (the tokens llama-perplexity saved; llama-server's /tokenize). Its argmax over every position is "
-                "otherwise llama-perplexity's own pass (the log-probabilities it saves with --kl-divergence-base), "
-                "at the sampled positions llama-server's (/completion, one token).")
+                + ("otherwise " if differ else "") + "llama-perplexity's own pass (the log-probabilities it saves "
+                "with --kl-divergence-base), at the sampled positions llama-server's (/completion, one token).")
             checked = {t: e for t, e in llama.items() if e.get("server_same_as_perplexity_sample") is not None}
             if checked:
                 notes.append("llama-server chose as llama-perplexity's pass at "
