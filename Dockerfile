@@ -22,7 +22,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     SPECD_HOST=0.0.0.0
 
 WORKDIR /app
-# A C compiler: the q4 engine builds its kernel for the CPU it runs on at first use (specd/qkernels.py).
+# A C compiler: specd builds its GGUF kernels for the CPU it runs on at first use (specd/native.py).
 # hadolint ignore=DL3008
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*
 # torch first, from the index that matches the hardware; then this project (DL3013 would have

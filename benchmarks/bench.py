@@ -377,14 +377,13 @@ def _model_dirs(cfg: BenchConfig) -> tuple[Path, Path]:
 
 
 def _result(cfg, prompts, runs, probes, scaling, duration_s, rss) -> dict:
-    # Each deployment against its own plain decoding: the services' numerics (q4 by default) are
+    # Each deployment against its own plain decoding: the services' numerics (the file's blocks) are
     # not Hugging Face's float32, which the HF configurations run.
     reference = {r.prompt: r.output for r in runs if r.config == PLAIN}
     hf_reference = {r.prompt: r.output for r in runs if r.config == HF_PLAIN}
     others = (LLAMA_PLAIN, LLAMA_SPEC, HF_PLAIN, HF_ASSISTED)
     ours = [r for r in runs + (scaling["runs"] if scaling else []) if r.config not in others]
     hf_assisted = [r for r in runs if r.config == HF_ASSISTED]
-    specd_rss = {role: size for role, size in rss.items() if role in ("draft", "target", "coordinator")}
     classes = {kind: class_summary(kind, runs, probes, cfg.ks) for kind in dict.fromkeys(p.kind for p in prompts)}
     plots = plot(classes, runs, cfg.name)
     return {
@@ -409,7 +408,7 @@ def _result(cfg, prompts, runs, probes, scaling, duration_s, rss) -> dict:
         "rss_gb": rss,
         "classes": classes,
         "concurrency": scaling and {k: v for k, v in scaling.items() if k != "runs"},
-        "goals": goals(classes, scaling, specd_rss),
+        "goals": goals(classes, scaling, rss),
         "prefill_probes_s": rounded(probes),
         "runs": [_run_json(r) for r in runs + (scaling["runs"] if scaling else [])],
         "plots": [p.name for p in plots],  # next to this file
@@ -438,10 +437,15 @@ def _positive(value: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from benchmarks import quality
+
     if "--quality" in (sys.argv[1:] if argv is None else argv):  # perplexity and agreement: benchmarks/quality.py
-        from benchmarks import quality
         return quality.main(sys.argv[1:] if argv is None else list(argv))
     parser = argparse.ArgumentParser(prog="specd bench", description=__doc__.splitlines()[0])
+    # Handed over above, before this parser reads anything: listed so that `specd bench -h` tells of it.
+    summary = quality.__doc__.splitlines()[0].removeprefix("specd bench --quality: ")
+    parser.add_argument("--quality", action="store_true",
+                        help=f"run benchmarks/quality.py instead: {summary} Its flags: --quality -h")
     parser.add_argument("--tokens", type=int, default=64, help="new tokens per request")
     parser.add_argument("--ks", default="1,2,4,8", help="fixed K values to compare (1..8)")
     parser.add_argument("--prompts-per-class", type=int, default=1, help="of benchmarks/prompts.json")
@@ -462,8 +466,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--draft-confidence", help="adaptive K's confidence stop (default: the coordinator's)")
     parser.add_argument("--audit-rate", default="0", help="the coordinator's lossless audit (default 0 here: its "
                         "background re-decodes would share the cores with the requests being timed)")
-    parser.add_argument("--target-quantize", help="the target's numerics: none | q4 | auto (default: specd up's)")
-    parser.add_argument("--draft-quantize", help="the draft's numerics: none | int8 | q4 | auto (default: specd up's)")
+    parser.add_argument("--target-quantize", help="the target's numerics: none | auto (default: specd up's)")
+    parser.add_argument("--draft-quantize", help="the draft's numerics: none | int8 | auto (default: specd up's)")
     parser.add_argument("--llama-server", type=Path, help="llama.cpp's llama-server binary (../shared/tools/"
                         "build-llama-server): run it plain and speculative on the same GGUF files, side by side")
     parser.add_argument("--prompts", type=Path, default=PROMPTS, help="prompt set (benchmarks/prompts.json; "

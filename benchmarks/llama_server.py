@@ -9,14 +9,16 @@ The binary comes from ../shared/tools/build-llama-server (the PyPI sdist `llama-
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import tempfile
 import time
 import urllib.error
 import urllib.request
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import IO, Iterator, Sequence
 
 from services.common.redis_server import free_port
 
@@ -31,33 +33,38 @@ class Server:
 
 @contextmanager
 def serve(binary: Path, gguf: Path, threads: int, draft_gguf: Path | None = None, parallel: int = 1,
-          context: int = 4096, timeout_s: float = 300) -> Iterator[Server]:
-    """A llama-server on 127.0.0.1 with `parallel` slots of `context` tokens each, until the block ends."""
+          context: int = 4096, timeout_s: float = 300, swa_full: bool = False) -> Iterator[Server]:
+    """A llama-server on 127.0.0.1 with `parallel` slots of `context` tokens each, until the block ends.
+    `swa_full`: a sliding-window model keeps its whole cache, so that a prompt one token longer than the
+    last is one token's work (benchmarks/quality.py asks thousands of such prompts)."""
     port = free_port()
     command = [str(binary), "-m", str(gguf), "-t", str(threads), "-tb", str(threads), "--host", "127.0.0.1",
                "--port", str(port), "-c", str(context * parallel), "-np", str(parallel), "--no-webui"]
     if draft_gguf is not None:
         command += ["--spec-type", "draft-simple", "-md", str(draft_gguf), "--spec-draft-n-max", str(SPEC_DRAFT_MAX),
                     "-td", str(threads), "-tbd", str(threads)]
-    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_ready(url, proc, timeout_s)
-        yield Server(url, proc.pid)
-    finally:
-        proc.terminate()
+    command += ["--swa-full"] if swa_full else []
+    # Its log goes to a file: a pipe nobody reads fills (64 KiB) and stalls llama-server on a long run.
+    with tempfile.TemporaryFile() as log:
+        proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log)
+        url = f"http://127.0.0.1:{port}"
         try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+            _wait_ready(url, proc, log, timeout_s)
+            yield Server(url, proc.pid)
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
-def _wait_ready(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
+def _wait_ready(url: str, proc: subprocess.Popen, log: IO[bytes], timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"llama-server exited with {proc.returncode}: {proc.stderr.read()[-2000:]}")
+            raise RuntimeError(f"llama-server exited with {proc.returncode}: {_tail(log)}")
         try:
             with urllib.request.urlopen(url + "/health", timeout=2) as reply:
                 if reply.status == 200:
@@ -66,6 +73,13 @@ def _wait_ready(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
             pass
         time.sleep(0.5)
     raise TimeoutError(f"llama-server at {url} was not ready in {timeout_s:.0f} s")
+
+
+def _tail(log: IO[bytes], size: int = 2000) -> str:
+    """The log's last `size` bytes, as text (the whole of a long run's log is not worth reading)."""
+    log.seek(0, os.SEEK_END)
+    log.seek(max(0, log.tell() - size))
+    return log.read().decode(errors="replace")
 
 
 def stream(url: str, prompt_ids: Sequence[int], tokens: int) -> tuple[tuple[int, ...], float, tuple[tuple[float, int], ...]]:

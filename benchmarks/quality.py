@@ -44,14 +44,15 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from benchmarks import llama_server
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXTS = ROOT / "benchmarks" / "texts"
@@ -282,44 +283,6 @@ def llama_server_argmax(url: str, chunk: Sequence[int], j: int, cache: bool = Tr
     return int(reply["tokens"][0])
 
 
-@contextmanager
-def llama_server(binary: Path, gguf: Path, threads: int, ctx: int, timeout_s: float = 300) -> Iterator[str]:
-    """A llama-server on a free loopback port, one slot of ctx tokens, its log in a file (a pipe nobody
-    reads fills and stalls it after some thousands of requests); `--swa-full` keeps a sliding-window
-    model's whole cache, so that a prompt one token longer than the last is one token's work."""
-    from services.common.redis_server import free_port
-
-    port = free_port()
-    command = [str(binary), "-m", str(gguf), "-t", str(threads), "-tb", str(threads), "--host", "127.0.0.1",
-               "--port", str(port), "-c", str(ctx), "-np", "1", "--no-webui", "--swa-full"]
-    with tempfile.TemporaryFile("w+") as log:
-        proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log, text=True)
-        url = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + timeout_s
-            while True:
-                if proc.poll() is not None:
-                    log.seek(0)
-                    raise RuntimeError(f"llama-server exited with {proc.returncode}: {log.read()[-2000:]}")
-                try:
-                    with urllib.request.urlopen(url + "/health", timeout=2) as reply:
-                        if reply.status == 200:
-                            break
-                except OSError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"llama-server at {url} was not ready in {timeout_s:.0f} s")
-                time.sleep(0.5)
-            yield url
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-
 def _ask(url: str, text_chunks: Sequence[Sequence[int]], positions: Sequence[tuple[int, int]]) -> list[int]:
     """llama-server's argmax at (chunk, row) positions, sorted: each chunk's first from an empty cache, the
     next ones going on from it. (Its cache cut back to another chunk's prefix has been seen to give other
@@ -344,7 +307,8 @@ def run_llama(bin_dir: Path, gguf: Path, texts: dict[str, "Text"], ctx: int, thr
         run.saved_tokens_match = n_ctx == ctx and tokens.tolist() == list(text.tokens[:len(tokens)])
         print(f"  llama-perplexity {name}: {run.perplexity:.4f} over {run.chunks} chunks ({run.seconds:.0f} s); "
               f"its tokens equal ours: {run.saved_tokens_match}; {run.ties} tied top-2", flush=True)
-    with llama_server(bin_dir / "llama-server", gguf, threads, ctx) as url:
+    with llama_server.serve(bin_dir / "llama-server", gguf, threads, context=ctx, swa_full=True) as server:
+        url = server.url
         for name, text in texts.items():
             run = runs[name]
             # as llama-perplexity tokenises: common_tokenize(ctx, text, add_special=true, parse_special=false)

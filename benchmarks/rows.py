@@ -1,14 +1,10 @@
-"""A model's one-session pass by the rows it feeds: what a verification of K drafts (K + 1
-rows) costs. float32 (`--quantize none`): fed as is and padded to `kernels.padded_rows`' blocks
-(the BLAS's small-matrix kernels work in column blocks, so some row counts cost more than a
-larger one; the padding feeds zero rows up to the block). q4: as fed (it does not pad). The
-repeats go round the row counts (every count once, then again), so a slow minute of this shared
-host hits them all alike.
+"""A model's one-session pass by the rows it feeds: what a verification of K drafts (K + 1 rows)
+costs, on the fetched GGUF file as specd serves it. The repeats go round the row counts (every
+count once, then again), so a slow minute of this shared host hits them all alike.
 
-    .venv/bin/python -m benchmarks.rows [--repeats 15] [--max-rows 9] [--quantize q4] [--role draft]
+    .venv/bin/python -m benchmarks.rows [--repeats 7] [--max-rows 16] [--role draft] [--model PATH]
 
-Writes benchmarks/results/rows.json (rows_q4.json, rows_q4_draft.json): per row count the
-median pass time.
+Writes benchmarks/results/rows.json (rows_draft.json): per row count the median pass time.
 """
 
 from __future__ import annotations
@@ -16,9 +12,9 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from pathlib import Path
 
 from benchmarks.common import machine, write
-from specd import kernels
 from specd.engine import EngineConfig, ModelEngine
 from services.models import model_path
 
@@ -43,47 +39,31 @@ def holding_context(engine: ModelEngine) -> ModelEngine:
     return engine
 
 
-def sweep(engine: ModelEngine, max_rows: int, repeats: int) -> dict[str, dict[int, float]]:
-    as_is = kernels.padded_rows
-    paths = {"unpadded_s": lambda rows: rows, "padded_s": as_is}
-    if not _pads(engine):
-        del paths["padded_s"]
-    times: dict[str, dict[int, list[float]]] = {path: {r: [] for r in range(1, max_rows + 1)} for path in paths}
-    try:
-        for _ in range(repeats):
-            for path, padding in paths.items():
-                kernels.padded_rows = padding  # the small-row linear looks it up on every call
-                for rows in range(1, max_rows + 1):
-                    times[path][rows].append(pass_s(engine, rows))
-    finally:
-        kernels.padded_rows = as_is
-    return {path: {r: round(statistics.median(ts), 4) for r, ts in by_rows.items()} for path, by_rows in times.items()}
-
-
-def _pads(engine: ModelEngine) -> bool:
-    """The dense float32 engine's small-row linears pad rows to blocks; q4 runs the rows it is fed."""
-    return engine.numerics.mode == "none"
+def sweep(engine: ModelEngine, max_rows: int, repeats: int) -> dict[int, float]:
+    times: dict[int, list[float]] = {r: [] for r in range(1, max_rows + 1)}
+    for _ in range(repeats):
+        for rows in times:
+            times[rows].append(pass_s(engine, rows))
+    return {r: round(statistics.median(ts), 4) for r, ts in times.items()}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--max-rows", type=int, default=9)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--max-rows", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--quantize", default="none", choices=("none", "q4"))
     parser.add_argument("--role", default="target", choices=("target", "draft"))
+    parser.add_argument("--model", type=Path, help="a GGUF file (default: the role's fetched file)")
     args = parser.parse_args()
-    config = EngineConfig(model_path(args.role), dtype="float32", threads=args.threads, quantize=args.quantize)
-    engine = holding_context(ModelEngine(config))
+    path = args.model or model_path(args.role)
+    engine = holding_context(ModelEngine(EngineConfig(path, threads=args.threads, quantize="auto")))
     result = {
-        "benchmark": "rows", "model": args.role, "dtype": "float32", "quantize": args.quantize,
+        "benchmark": "rows", "model": path.name, "role": args.role, "numerics": engine.numerics.reason,
         "threads": args.threads, "context": CONTEXT, "repeats": args.repeats, "machine": machine(),
-        "padding": {r: kernels.padded_rows(r) if _pads(engine) else r for r in range(1, args.max_rows + 1)},
-        **sweep(engine, args.max_rows, args.repeats),
+        "pass_s": sweep(engine, args.max_rows, args.repeats),
     }
     print(result)
-    name = "rows" + ("" if args.quantize == "none" else f"_{args.quantize}") + ("" if args.role == "target" else "_draft")
-    print(f"wrote {write(name, result)}")
+    print(f"wrote {write('rows' + ('' if args.role == 'target' else '_draft'), result)}")
 
 
 if __name__ == "__main__":

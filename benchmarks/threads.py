@@ -11,8 +11,8 @@ Timed on the real pair, each layout in a fresh process, alternating, median of e
 - `two_pools`: the same, after the main thread has run one parallel torch op (what loading the
   model there did before);
 - `main_thread`: built and run on the main thread (HF assisted in `specd bench` runs this way).
-Steps: the int8 draft's one-token step, the float32 target's one-token step and its K = 4
-verification (5 rows), at a 120-token context.
+Steps: the draft's one-token step, the target's one-token step and its K = 4 verification
+(5 rows), at a 120-token context, on the fetched GGUF files as specd serves them.
 
     .venv/bin/python -m benchmarks.threads [--repeats 3]
 
@@ -37,10 +37,10 @@ from services.models import model_path
 
 LAYOUTS = ("one_pool", "two_pools", "main_thread")
 CONTEXT = 120
-STEPS = {  # name: (role, quantize, rows fed, repeats)
-    "draft_step": ("draft", "int8", 1, 20),
-    "target_step": ("target", "none", 1, 8),
-    "target_verify_k4": ("target", "none", 5, 8),
+STEPS = {  # name: (role, rows fed, repeats)
+    "draft_step": ("draft", 1, 20),
+    "target_step": ("target", 1, 8),
+    "target_verify_k4": ("target", 5, 8),
 }
 
 
@@ -65,9 +65,9 @@ def measure(layout: str) -> dict[str, float]:
     if layout == "two_pools":
         torch.ones(1 << 22).mul_(2)  # a parallel op on the main thread: it now holds a pool too
     results, engines = {}, {}
-    for name, (role, quantize, rows, repeats) in STEPS.items():
+    for name, (role, rows, repeats) in STEPS.items():
         if role not in engines:
-            engines[role] = on_engine_thread(ModelEngine, EngineConfig(model_path(role), quantize=quantize))
+            engines[role] = on_engine_thread(ModelEngine, EngineConfig(model_path(role), quantize="auto"))
         results[name] = on_engine_thread(time_steps, engines[role], rows, repeats)
     return results
 

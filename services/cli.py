@@ -123,7 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     ray.set_defaults(run=cmd_serve_ray)
 
     # Its flags belong to benchmarks/bench.py (`specd bench -h`), run as its own program: passed through.
-    bench = commands.add_parser("bench", add_help=False, help="plain vs fixed K vs adaptive vs HF assisted, one run")
+    bench = commands.add_parser("bench", add_help=False, help="plain vs fixed K vs adaptive vs HF assisted, one run; "
+                                "--quality: perplexity and agreement instead (`specd bench -h`)")
     bench.set_defaults(run=cmd_bench)
     return parser
 

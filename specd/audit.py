@@ -2,7 +2,7 @@
 target, and the tokens it committed must be exactly the plain steps' tokens.
 
 Speculative decoding is lossless when a verification's K + 1 rows give the tokens K + 1 plain
-steps would: bit for bit with a batch-invariant target (q4), resting on argmax margins otherwise
+steps would: bit for bit with a batch-invariant target (a GGUF file), resting on argmax margins otherwise
 (specd/numerics.py). The audit checks that claim on live traffic.
 
 What is compared: the first N tokens of plain greedy decoding (the loop with K = 0: every round a

@@ -149,7 +149,7 @@ class EngineInfo:
     """What a model service runs, the same for all its sessions (specd/numerics.py's `Choice`)."""
 
     instance_id: str
-    numerics: str  # the weights the engine runs: none | int8 | q4
+    numerics: str  # the weights the engine runs: gguf | none | int8
     quantize: str  # its setting: one of those, or auto
     invariant: bool  # passed the batch-invariance self-check on its host
     reason: str  # why this mode

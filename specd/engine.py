@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, GenerationConfig
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
-from specd import fused, gguf_model, kernels, numerics, qwen2, ragged
+from specd import fused, gguf_model, kernels, numerics, ragged
 from specd.contracts import ContextTooLong, EngineError, PositionMismatch, SessionsFull  # noqa: F401 (raised here)
 
 DTYPES = {
@@ -47,7 +47,7 @@ class EngineConfig:
     idle_evict_s: float = 5.0  # a session idle this long may be evicted (LRU) to make room
     max_context: int | None = None  # default: the model's max_position_embeddings
     small_row_matmul: bool = True  # CPU: fast linears for decoding-sized inputs (packed weights, specd/kernels.py)
-    quantize: str = "none"  # none | int8 (a draft's) | q4 | auto: the weights it runs (specd/numerics.py)
+    quantize: str = "none"  # none | int8 (a draft's) | auto: the weights it runs (specd/numerics.py)
     fused_int8: bool = True  # int8: fused projections without module calls, same logits (specd/fused.py)
 
 
@@ -91,7 +91,7 @@ class ModelEngine:
     def _load_gguf(self, config: EngineConfig) -> None:
         """The file's weights as stored, run by specd's decoder (specd/gguf_model.py)."""
         if config.quantize not in ("none", "auto"):
-            raise ValueError(f"quantize={config.quantize!r} re-quantises a Hugging Face checkpoint; a GGUF file is "
+            raise ValueError(f"quantize={config.quantize!r} applies to a Hugging Face checkpoint; a GGUF file is "
                              "served as stored (quantize none or auto)")
         if torch.device(config.device).type != "cpu":
             raise ValueError("a GGUF file runs on the CPU decoder; serve a Hugging Face directory on other devices")
@@ -105,22 +105,16 @@ class ModelEngine:
         self._context = self._native.hp.context
 
     def _load_hf(self, config: EngineConfig) -> None:
-        """A Hugging Face directory: dense weights through the stock modules, or the q4 re-quantisation."""
+        """A Hugging Face directory: its dense weights through the stock modules (int8: a draft's option)."""
         on_cpu = torch.device(config.device).type == "cpu"
+        if config.quantize == "int8" and not on_cpu:
+            raise ValueError("quantize='int8' is a CPU option")
         hf_config = AutoConfig.from_pretrained(config.model_dir)
-        if config.quantize not in ("none", "auto") and not on_cpu:
-            raise ValueError(f"quantize={config.quantize!r} is a CPU option")
-        # auto off the CPU: the dense weights (the kernels chosen from are CPU kernels)
-        requested = config.quantize if on_cpu else "none"
-        self.numerics = numerics.choose((hf_config.intermediate_size, hf_config.hidden_size), requested)
-        if self.numerics.mode == "q4":
-            self._native = qwen2.Q4Qwen2(config.model_dir)
-            generation = GenerationConfig.from_pretrained(config.model_dir)
-        else:
-            self.model = self._dense(config, on_cpu)
-            hf_config, generation = self.model.config, self.model.generation_config
+        self.numerics = numerics.choose((hf_config.intermediate_size, hf_config.hidden_size), config.quantize)
+        self.model = self._dense(config, on_cpu)
+        hf_config, generation = self.model.config, self.model.generation_config
         self.hf_config = hf_config
-        self._new_cache = self._native.new_cache if self._native else lambda: DynamicCache(config=hf_config)
+        self._new_cache = lambda: DynamicCache(config=hf_config)
         self.vocab_size = hf_config.vocab_size
         self.eos_token_ids = frozenset(_eos_ids(generation, hf_config))
         self.vocab_digest = ""  # unknown: the coordinator skips the vocabulary check

@@ -4,7 +4,7 @@ A one-token draft step of the int8 0.5B draft spent ~36 ms in its 169 quantised 
 ~20 ms around them (module calls, the quantised-linear wrapper, HF's norm and rotary helpers).
 Here each layer runs four quantised linears instead of seven, calling the int8 kernel directly:
 q/k/v are one [q + k + v, hidden] weight and gate/up one [2 * intermediate, hidden] weight
-(benchmarks/draft_step.py measures the step both ways).
+(measured both ways: CHANGELOG.md).
 
 Fusing is exact, not approximate. Dynamic quantisation quantises the activation once per call
 and each weight per tensor; the fused weight keeps every row's int8 values with its own tensor's

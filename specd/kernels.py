@@ -38,7 +38,7 @@ PACKED_FOR_ROWS = 16  # oneDNN picks the packed layout for about this many rows
 def padded_rows(rows: int) -> int:
     """The row count to run `rows` rows at. The BLAS's small-matrix kernels work in blocks of 4
     and 8 columns: 9-15 rows cost more than 16, 3 more than 4, 7 more than 8 (5 and 6 do not
-    pay for 8), so zero rows are added up to the next such block (benchmarks/batching.py)."""
+    pay for 8), so zero rows are added up to the next such block (measured: CHANGELOG.md)."""
     if rows in (3, 7):
         return rows + 1
     return rows if rows <= 8 else -(-rows // 8) * 8
@@ -80,16 +80,15 @@ def _packable(weight: torch.Tensor) -> bool:
     return _ONEDNN_LINEAR and weight.dtype == torch.float32 and weight.device.type == "cpu"
 
 
-def use_small_row_matmul(model: nn.Module, pack: bool = True) -> int:
+def use_small_row_matmul(model: nn.Module) -> int:
     """Route every float nn.Linear through a fast small-row path (a packed float32 weight, else
-    `W @ x.T`; pack=False: `W @ x.T` everywhere, for benchmarks/kernels.py); returns how many
-    were changed."""
+    `W @ x.T`); returns how many were changed."""
     uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
     changed = 0
     for module in model.modules():
         if type(module) is not nn.Linear:
             continue
-        if pack and _packable(module.weight):
+        if _packable(module.weight):
             module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), PACKED_FOR_ROWS)
             if uses[id(module.weight)] == 1:  # a tied weight (an embedding's too) stays for its other user
                 module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)

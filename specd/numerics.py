@@ -1,30 +1,27 @@
-"""Which weights an engine runs: a setting, or `auto`, chosen at start-up by measuring this machine.
+"""Which weights an engine runs, and whether a pass's rows equal one-row steps on this machine.
 
 Modes (`EngineConfig.quantize`):
-- `none`: the checkpoint's dense weights in `EngineConfig.dtype` through the stock modules. With
-  float32, greedy output is Hugging Face's float32 `generate`. Not batch-invariant on every CPU
-  (oneDNN's packed float32 kernel may block rows differently by row count): exact speculation
-  then rests on argmax margins, which the online audit watches.
-- `q4`: 4-bit weights, int8 activations, our batch-invariant kernel and per-row attention
-  (specd/qkernels.py, specd/qwen2.py): a verification's rows equal plain steps bit for bit.
+- a GGUF file runs as stored (mode `gguf`, `none` or `auto` accepted): specd's block kernels are
+  batch-invariant by construction, and `check_native` proves it at start-up or refuses to serve.
+- `none`: a Hugging Face checkpoint's dense weights in `EngineConfig.dtype` through the stock
+  modules. With float32, greedy output is Hugging Face's float32 `generate`. Not batch-invariant on
+  every CPU (oneDNN's packed float32 kernel may block rows differently by row count): exact
+  speculation then rests on argmax margins, which the online audit watches.
 - `int8`: torch's dynamic int8 (per-tensor activation scales): a draft-only option, as its rows
   depend on the rows beside them.
-- `auto`: the fastest mode that passes a batch-invariance self-check here (`choose`).
+- `auto`: a GGUF file as stored; a Hugging Face checkpoint's dense weights, self-checked here.
 """
 
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from specd import kernels, qkernels
+from specd import kernels
 
-MODES = ("none", "int8", "q4", "auto")
-INVARIANT_MODES = ("none", "q4")  # the candidates auto weighs; int8 never passes by design
+MODES = ("none", "int8", "auto")
 CHECK_ROWS = (2, 3, 5, 9, 16)  # row counts whose every row must equal the one-row result
 log = logging.getLogger(__name__)
 
@@ -37,30 +34,17 @@ class Choice:
 
 
 def choose(shape: tuple[int, int], requested: str = "auto") -> Choice:
-    """The mode to run. `requested` other than auto is taken as it is, with its self-check recorded;
-    auto takes the fastest invariant candidate at a linear of `shape` ([out, in] of the MLP)."""
+    """A Hugging Face checkpoint's mode, with the batch-invariance self-check of its dense linears
+    at `shape` ([out, in] of the MLP) on this machine; int8 never passes by design."""
     if requested not in MODES:
         raise ValueError(f"quantize must be one of {', '.join(MODES)}; got {requested!r}")
-    if requested != "auto":
-        invariant = requested != "int8" and _invariant(_linear(requested, shape), shape[1])
-        return Choice(requested, "set by configuration", invariant)
-    timings, refused = {}, []
-    for mode in INVARIANT_MODES:
-        if mode == "q4" and (why := qkernels.available()):
-            refused.append(f"q4 unavailable ({why.splitlines()[0]})")
-            continue
-        linear = _linear(mode, shape)
-        if not _invariant(linear, shape[1]):
-            refused.append(f"{mode} not batch-invariant here")
-            continue
-        timings[mode] = _seconds(linear, shape[1])
-    if not timings:
-        choice = Choice("none", "no batch-invariant candidate here (" + "; ".join(refused) + "): dense weights", False)
-    else:
-        mode = min(timings, key=timings.get)
-        measured = ", ".join(f"{m} {t * 1e3:.1f} ms" for m, t in sorted(timings.items(), key=lambda kv: kv[1]))
-        choice = Choice(mode, f"fastest batch-invariant candidate (1 + 9 rows at {shape[0]}x{shape[1]}: {measured})"
-                        + ("; " + "; ".join(refused) if refused else ""), True)
+    if requested == "int8":
+        return Choice("int8", "set by configuration", False)
+    invariant = _invariant(_dense_linear(shape), shape[1])
+    reason = "set by configuration" if requested == "none" else (
+        "a Hugging Face checkpoint's dense weights, " + ("batch-invariant here" if invariant else
+        "not batch-invariant here: exact speculation rests on argmax margins (the online audit watches)"))
+    choice = Choice("none", reason, invariant)
     log.info("numerics: %s: %s", choice.mode, choice.reason)
     return choice
 
@@ -85,15 +69,10 @@ def check_native(model) -> Choice:
                   "by the start-up check", True)
 
 
-def _linear(mode: str, shape: tuple[int, int]) -> Callable[[torch.Tensor], torch.Tensor]:
-    """A linear of `shape` in `mode` with seeded random weights, as the engine would run it."""
-    generator = torch.Generator().manual_seed(0)
-    weight = torch.randn(shape, generator=generator) * 0.02
-    if mode == "q4":
-        q = qkernels.quantize(weight)
-        return lambda x: qkernels.linear(x, q)
+def _dense_linear(shape: tuple[int, int]) -> torch.nn.Linear:
+    """A dense linear of `shape` with seeded random weights, as the engine runs it on the CPU."""
     layer = torch.nn.Linear(shape[1], shape[0], bias=False)
-    layer.weight.data.copy_(weight)
+    layer.weight.data.copy_(torch.randn(shape, generator=torch.Generator().manual_seed(0)) * 0.02)
     kernels.use_small_row_matmul(layer)  # the engine's dense CPU path
     return layer
 
@@ -104,17 +83,3 @@ def _invariant(linear: Callable[[torch.Tensor], torch.Tensor], features: int) ->
     x = torch.randn(max(CHECK_ROWS), features, generator=torch.Generator().manual_seed(1))
     alone = [linear(x[i : i + 1]) for i in range(max(CHECK_ROWS))]
     return all(torch.equal(linear(x[:m])[i : i + 1], alone[i]) for m in CHECK_ROWS for i in range(m))
-
-
-@torch.inference_mode()
-def _seconds(linear: Callable[[torch.Tensor], torch.Tensor], features: int, repeats: int = 3) -> float:
-    """The best of `repeats` timings of a one-row and a nine-row call: a plain step and a K = 8 check."""
-    x = torch.randn(9, features)
-    linear(x)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        linear(x[:1])
-        linear(x)
-        best = min(best, time.perf_counter() - start)
-    return best

@@ -16,8 +16,8 @@ torch.set_num_threads(1)
 
 @pytest.fixture(scope="session", autouse=True)
 def kernel_cache(tmp_path_factory) -> Path:
-    """Kernels built and checkpoints quantised by this run go to a directory of its own: the test
-    models are new every run, and their quantised copies must not pile up in the user's cache."""
+    """Kernels built by this run go to a directory of its own, so a run tests the sources it has,
+    not a library an earlier checkout left in the user's cache."""
     path = tmp_path_factory.mktemp("kernels")
     before = os.environ.get("SPECD_KERNEL_CACHE")
     os.environ["SPECD_KERNEL_CACHE"] = str(path)
@@ -32,6 +32,16 @@ def kernel_cache(tmp_path_factory) -> Path:
 def tiny_pair(tmp_path_factory) -> tuple[Path, Path]:
     """(draft_dir, target_dir) of the tiny seeded Qwen2 pair, built once per test run."""
     return build_tiny_pair(tmp_path_factory.mktemp("tiny_pair"))
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf_pair(tmp_path_factory) -> tuple[Path, Path]:
+    """(draft, target) tiny Qwen2 GGUF files of the same weights, the draft in Q4_K, the target in
+    Q6_K: a deployment of files served as stored, whose draft agrees with its target often."""
+    from tests.tiny_gguf import write_tiny
+
+    out = tmp_path_factory.mktemp("tiny_gguf_pair")
+    return write_tiny(out / "draft.gguf", "qwen2", "Q4_K"), write_tiny(out / "target.gguf", "qwen2", "Q6_K")
 
 
 @pytest.fixture(scope="session")

@@ -219,7 +219,7 @@ def reads(entrypoint: str) -> frozenset[str]:
     """The variables an entrypoint reads: its settings (`[env SPECD_...]` in --help) and, for the
     services, the OpenTelemetry variables of services/common/telemetry.py."""
     names = set(re.findall(r"\[env\s+(SPECD_[A-Z_]+)", run(*ENTRYPOINTS[entrypoint])))
-    names.add("HOME")  # the root filesystem is read-only: caches (the q4 kernel, Hugging Face) go to $HOME
+    names.add("HOME")  # the root filesystem is read-only: caches (the kernels, Hugging Face) go to $HOME
     if entrypoint == "models fetch":
         names.add("SPECD_MODELS_DIR")  # services/models.py reads it directly
     else:

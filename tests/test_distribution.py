@@ -4,7 +4,8 @@ and without a confidence stop in drafting.
 
 Runs the services' own role engines (`DraftEngine`, `TargetEngine`, one session at a time) on
 two model engines, over many seeds, and compares with the exact distributions computed from the
-target alone with a chi-square test; for each target numerics a deployment may run (dense, q4).
+target alone with a chi-square test; for each target numerics a deployment may run (a Hugging
+Face checkpoint's dense weights, a GGUF file as stored).
 The negative case swaps the residual for p and must fail.
 """
 
@@ -17,6 +18,7 @@ from specd import verify as verify_mod
 from specd.engine import EngineConfig, ModelEngine
 from specd.sampling import SamplingParams, warp
 from tests.engines import propose, verify_proposal
+from tests.tiny_gguf import write_tiny
 
 pytestmark = pytest.mark.slow  # thousands of sampled rounds per case (~3 min)
 
@@ -25,11 +27,15 @@ N_SAMPLES = 2500
 K = 3
 
 
-@pytest.fixture(scope="module", params=["none", "q4"], ids=lambda quantize: f"{quantize}-target")
-def engines(tiny_pair, request):
-    """The draft, and the target with the numerics it is deployed with (services/common/settings.py)."""
-    draft_dir, target_dir = tiny_pair
-    return ModelEngine(EngineConfig(draft_dir)), ModelEngine(EngineConfig(target_dir, quantize=request.param))
+@pytest.fixture(scope="module", params=["dense", "gguf"], ids=lambda kind: f"{kind}-target")
+def engines(tiny_pair, tmp_path_factory, request):
+    """A draft and a target of each kind a deployment serves; the GGUF draft has weights of its own
+    (another seed), so that it is often rejected."""
+    if request.param == "dense":
+        return ModelEngine(EngineConfig(tiny_pair[0])), ModelEngine(EngineConfig(tiny_pair[1]))
+    out = tmp_path_factory.mktemp("distribution")
+    draft = write_tiny(out / "draft.gguf", "qwen2", "Q4_K", seed=1)
+    return ModelEngine(EngineConfig(draft)), ModelEngine(EngineConfig(write_tiny(out / "target.gguf", "qwen2", "Q6_K")))
 
 
 PROMPT = [72, 101, 108, 108, 111]

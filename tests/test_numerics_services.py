@@ -1,7 +1,8 @@
 """Numerics as a deployment setting, through the real services (gRPC on loopback, a real Redis,
-the tiny pair): with a q4 target, greedy speculation gives the deployment's own plain greedy
-output for every K; what each model service runs shows in its metrics, its GetEngineInfo and
-the gateway's /v1/models; a target refuses int8 wherever it is started."""
+tiny pairs): greedy speculation gives the deployment's own plain greedy output for every K, with
+GGUF files served as stored and with a Hugging Face target beside an int8 draft; what each model
+service runs shows in its metrics, its GetEngineInfo and the gateway's /v1/models; a target
+refuses int8 wherever it is started."""
 
 from __future__ import annotations
 
@@ -27,16 +28,12 @@ N_TOKENS = 24
 STUBS = {"draft": draft_pb2_grpc.DraftServiceStub, "target": target_pb2_grpc.TargetServiceStub}
 
 
-@pytest.fixture(scope="module", params=["q4", "int8"], ids=lambda draft: f"q4-target-{draft}-draft")
-def cluster(request, tiny_pair, redis_url):
-    c = Cluster(*tiny_pair, redis_url, dtype="float32", draft_quantize=request.param, target_quantize="q4")
-    yield c
-    c.close()
-
-
-@pytest.fixture(scope="module")
-def auto(tiny_pair, redis_url):
-    c = Cluster(*tiny_pair, redis_url, dtype="float32", draft_quantize="auto", target_quantize="auto")
+@pytest.fixture(scope="module", params=["gguf-pair", "dense-target-int8-draft"])
+def cluster(request, tiny_pair, tiny_gguf_pair, redis_url):
+    if request.param == "gguf-pair":
+        c = Cluster(*tiny_gguf_pair, redis_url, dtype="float32", draft_quantize="auto", target_quantize="auto")
+    else:
+        c = Cluster(*tiny_pair, redis_url, dtype="float32", draft_quantize="int8", target_quantize="none")
     yield c
     c.close()
 
@@ -88,19 +85,15 @@ def shown(c: Cluster) -> dict[str, dict]:
 
 def test_what_each_service_runs_shows_in_metrics_engine_info_and_models(cluster):
     answers = shown(cluster)
-    assert answers["target"] == {"numerics": "q4", "quantize": "q4", "invariant": True,
-                                 "reason": "set by configuration"}
-    draft = cluster.draft.engine.config.quantize
-    assert (answers["draft"]["numerics"], answers["draft"]["invariant"]) == (draft, draft == "q4")
-
-
-def test_auto_chooses_a_batch_invariant_mode_and_says_which(auto):
-    answers = shown(auto)
-    for role in ("draft", "target"):
-        assert answers[role]["quantize"] == "auto"
-        assert answers[role]["numerics"] in ("none", "q4") and answers[role]["invariant"]
-        assert "fastest batch-invariant candidate" in answers[role]["reason"]
-    assert complete(auto, PROMPTS[0], num_draft_tokens=2).stats.completion_tokens == N_TOKENS  # and it serves
+    if cluster.target_engine.model is None:  # the GGUF pair: both files as stored, proven invariant
+        for role in ("draft", "target"):
+            assert (answers[role]["numerics"], answers[role]["quantize"], answers[role]["invariant"]) == \
+                ("gguf", "auto", True)
+            assert "batch-invariant by the start-up check" in answers[role]["reason"]
+    else:
+        assert answers["target"]["numerics"] == "none" and answers["target"]["reason"] == "set by configuration"
+        assert answers["draft"] == {"numerics": "int8", "quantize": "int8", "invariant": False,
+                                    "reason": "set by configuration"}
 
 
 def test_the_models_listing_says_when_the_target_does_not_answer(cluster, monkeypatch):
@@ -128,7 +121,7 @@ def test_a_target_refuses_int8_from_a_flag_or_the_environment(monkeypatch, capsy
     monkeypatch.setenv("SPECD_QUANTIZE", "int8")  # argparse checks no default: the service does
     assert "int8 is a draft-only setting" in refusal(capsys, "target")
     monkeypatch.setenv("SPECD_QUANTIZE", "int4")
-    assert "must be one of none, int8, q4, auto" in refusal(capsys, "draft")
+    assert "must be one of none, int8, auto" in refusal(capsys, "draft")
 
 
 def test_specd_up_and_serve_ray_refuse_an_int8_target(capsys):

@@ -209,3 +209,13 @@ def test_specd_bench_quality_hands_over_to_the_quality_run(monkeypatch):
     monkeypatch.setattr(quality, "main", lambda argv=None: seen.append(argv) or 0)
     assert bench.main(["--quality", "--ctx", "64", "--no-llama"]) == 0
     assert seen == [["--quality", "--ctx", "64", "--no-llama"]]
+
+
+def test_specd_bench_help_lists_quality(capsys):
+    from benchmarks import bench
+
+    with pytest.raises(SystemExit) as exited:
+        bench.main(["--help"])
+    assert exited.value.code == 0
+    shown = " ".join(capsys.readouterr().out.split())
+    assert "--quality run benchmarks/quality.py instead: teacher-forced perplexity" in shown

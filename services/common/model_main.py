@@ -19,11 +19,12 @@ from services.common.worker import DEFAULT_MAX_BATCH, Batching, SharedCores
 
 log = logging.getLogger(__name__)
 QUANTIZE_HELP = {
-    "target": "the weights it runs (specd/numerics.py): none (the checkpoint's), q4 (int4 weights, batch-invariant: "
-              "a verification equals plain steps bit for bit; CPU), auto (the fastest batch-invariant one here); "
-              "int8 is refused (a draft's)",
-    "draft": "the weights it runs (specd/numerics.py): none (the checkpoint's), int8 (dynamic int8; CPU), q4 (int4 "
-             "weights; CPU), auto (the fastest batch-invariant one here); a draft's numerics change acceptance only",
+    "target": "the weights it runs (specd/numerics.py): none or auto (a GGUF file as stored, batch-invariant: a "
+              "verification equals plain steps bit for bit; a Hugging Face checkpoint's dense weights); int8 is "
+              "refused (a draft's)",
+    "draft": "the weights it runs (specd/numerics.py): none or auto (a GGUF file as stored; a Hugging Face "
+             "checkpoint's dense weights), int8 (a Hugging Face checkpoint in dynamic int8; CPU); a draft's "
+             "numerics change acceptance only",
 }
 
 

@@ -29,10 +29,10 @@ def add(parser: argparse.ArgumentParser, flag: str, *, type=str, default=None, h
 
 # The weights a model service runs (specd/numerics.py's MODES; this module imports no torch):
 # every default in one place.
-QUANTIZE_MODES = ("none", "int8", "q4", "auto")
+QUANTIZE_MODES = ("none", "int8", "auto")
 SERVICE_QUANTIZE = "none"  # `python -m services.draft|target` and Ray's build_app: the checkpoint's weights
-# What `specd up` and `specd serve-ray` start each with: the fastest batch-invariant mode here (q4
-# where the kernel builds; benchmarks/README.md), so a verification's rows equal plain steps.
+# What `specd up` and `specd serve-ray` start each with: a GGUF file as stored, a Hugging Face
+# checkpoint's dense weights, each with its batch-invariance self-check (specd/numerics.py).
 LAUNCH_QUANTIZE = {"draft": "auto", "target": "auto"}
 
 
@@ -44,6 +44,6 @@ def check_quantize(role: str, mode: str) -> str:
         raise ValueError(
             "quantize int8 is a draft-only setting: its activation scales span a whole pass, so a target's "
             "verification rows would depend on the rows beside them and greedy output would no longer be "
-            "the target's own; start the target with none, q4 or auto"
+            "the target's own; start the target with none or auto"
         )
     return mode

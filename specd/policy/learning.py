@@ -62,9 +62,8 @@ def _ewma(old: float, new: float, w: float) -> float:
 
 
 def calibration_ks(config: PolicyConfig) -> tuple[int, ...]:
-    """Every K from a plain step to max_k: verify time is not a line through a few K (the q4
-    engine's cost steps up where a second row tile starts, 7 rows, benchmarks/results/rows_q4.json),
-    which a line through a few K would hide."""
+    """Every K from a plain step to max_k: verify time is not a line through a few K (a kernel's
+    cost steps up where a new row tile starts), which a line through a few K would hide."""
     return tuple(range(config.max_k + 1))
 
 
