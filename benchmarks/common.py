@@ -125,8 +125,24 @@ def timed(stub, label: str, prompt: str, max_tokens: int, **fields) -> Run:
 
 
 def machine() -> dict:
-    return {"platform": platform.platform(), "processor": platform.processor(), "torch": torch.__version__,
-            "cpu_threads": torch.get_num_threads()}
+    """Where a result was measured: figures from different CPUs are not comparable."""
+    return {"platform": platform.platform(), "cpu": cpu_name(), "vector_extensions": vector_extensions(),
+            "torch": torch.__version__, "cpu_threads": torch.get_num_threads()}
+
+
+def cpu_name() -> str:
+    """The CPU's model name from /proc/cpuinfo (platform.processor() is empty on Linux)."""
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown"
+
+
+def vector_extensions() -> list[str]:
+    """The SIMD extensions specd's kernels may use here (AVX2; AVX-512 with VNNI, BF16)."""
+    flags = next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("flags")), [])
+    return [f for f in ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_int8") if f in flags]
 
 
 def write(name: str, result: dict) -> Path:

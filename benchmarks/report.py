@@ -134,7 +134,7 @@ def _verdict(verdicts: list[bool | None]) -> str:
 
 
 def goals(results: Path) -> str:
-    runs = [load(results, "bench_q4_llama"), load(results, "bench_q4_llama_heldout")]
+    runs = [load(results, "bench_llama"), load(results, "bench_llama_heldout")]
     grouped = [_grouped(run["goals"]) for run in runs]
     rows = []
     for what, by_scope in grouped[0].items():
@@ -237,13 +237,15 @@ def quality(name: str) -> Callable[[Path], str]:
 
 # -- the other benchmarks -------------------------------------------------------------------------
 
-def rows_q4(results: Path) -> str:
-    runs = [load(results, "rows_q4"), load(results, "rows_q4_draft")]
-    counts = list(runs[0]["unpadded_s"])
-    body = [[f"{run['model']} ms", *(f"{run['unpadded_s'][n] * 1e3:.1f}" for n in counts)] for run in runs]
-    head = (f"One pass of a session holding {runs[0]['context']} tokens, by rows fed ({runs[0]['quantize']}, "
-            f"{runs[0]['threads']} threads, median of {runs[0]['repeats']}):\n\n")
-    return head + table(["rows", *counts], body)
+def rows(results: Path) -> str:
+    runs = [load(results, "rows"), load(results, "rows_draft")]
+    counts = list(runs[0]["pass_s"])
+    body = [[f"{run['role']} ms", *(f"{run['pass_s'][n] * 1e3:.1f}" for n in counts),
+             f"{run['llama_server_per_token_s'] * 1e3:.1f}"] for run in runs]
+    head = para(f"One pass of a session holding {runs[0]['context']} tokens, by rows fed ({runs[0]['machine']['cpu']}, "
+                f"{runs[0]['threads']} threads, median of {runs[0]['repeats']}), and llama-server's own decoding "
+                "time per token on the same file (its `predicted_per_token_ms`):") + "\n"
+    return head + table(["rows", *counts, "llama-server"], body)
 
 
 def chaos(results: Path) -> str:
@@ -319,10 +321,10 @@ def _rate_against(configs: dict, config: str, reference: str) -> str:
 
 
 BLOCKS: dict[str, Callable[[Path], str]] = {
-    "bench_q4_llama": llama("bench_q4_llama"),
-    "bench_q4_llama_heldout": llama("bench_q4_llama_heldout"),
+    "bench_llama": llama("bench_llama"),
+    "bench_llama_heldout": llama("bench_llama_heldout"),
     "goals": goals,
-    "rows_q4": rows_q4,
+    "rows": rows,
     "chaos": chaos,
     "fallback": fallback,
     "ablation": ablation,

@@ -53,7 +53,7 @@ def test_bench_runs_end_to_end_and_reports_every_figure(tiny_pair, redis_url, re
             assert run["round_wall_s"] >= run["draft_compute_s"] + run["verify_compute_s"]
     assert all((results_dir / name).stat().st_size > 0 for name in result["plots"])
     assert all(result["rss_gb"][role] > 0 for role in ("draft", "target", "coordinator"))
-    assert any(row["goal"] == "draft + target + coordinator RSS ≤ 6 GB" for row in result["goals"])
+    assert not any("RSS" in row["goal"] for row in result["goals"])  # a ratio to llama-server's, which did not run
 
 
 def test_llama_server_runs_side_by_side_plain_speculative_and_concurrent(tiny_pair, redis_url, results_dir, tmp_path,
@@ -84,6 +84,8 @@ def test_llama_server_runs_side_by_side_plain_speculative_and_concurrent(tiny_pa
     goals = {row["goal"] for row in result["goals"]}
     assert "code: adaptive vs llama-server plain ≥ 2.0×" in goals and "code: adaptive ahead of llama-server speculative" in goals
     assert "2 concurrent vs llama-server -np 2 ≥ 1.0×" in goals
+    assert "code: specd plain vs llama-server plain ≥ 1.1×" in goals
+    assert "draft + target + coordinator RSS ≤ 1.0× llama-server's with the draft" in goals
     assert result["concurrency"]["llama_concurrent_tokens_per_s"] > 0
     assert result["rss_gb"][LLAMA_PLAIN] > 0 and result["rss_gb"][LLAMA_SPEC] > 0
 

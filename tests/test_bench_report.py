@@ -13,9 +13,9 @@ from benchmarks import report
 ROOT = Path(__file__).resolve().parents[1]
 # a number each generated block shows, by results file and the keys that reach it
 SHOWN = [
-    ("bench_q4_llama", ["classes", "code", "configs", "adaptive", "tokens_per_s"]),
-    ("bench_q4_llama_heldout", ["rss_gb", "target"]),
-    ("rows_q4_draft", ["unpadded_s", "4"]),
+    ("bench_llama", ["classes", "code", "configs", "adaptive", "tokens_per_s"]),
+    ("bench_llama_heldout", ["rss_gb", "target"]),
+    ("rows_draft", ["pass_s", "4"]),
     ("chaos", ["tokens_checked"]),
     ("fallback", ["real_pair_code_overall_ratio"]),
     ("ab21_conf_0", ["classes", "prose", "configs", "adaptive", "tokens_per_s"]),
