@@ -13,7 +13,7 @@ from pathlib import Path
 
 import grpc
 
-from specd.policy import PolicyConfig
+from specd.policy import PolicyConfig, hybrid
 from services import up
 from services.common import settings
 from services.common.worker import DEFAULT_MAX_BATCH
@@ -101,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int)
     gen.add_argument("-k", "--num-draft-tokens", type=int, help="draft tokens per round (default: server's)")
+    gen.add_argument("--drafter", choices=hybrid.DRAFTERS,
+                     help="who drafts: the faster round by round (auto, the server's default), the draft model, "
+                          "the tokens at hand (ngram) or no one")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--json", action="store_true", help="print text, token ids and stats as JSON")
     gen.set_defaults(run=cmd_generate)
@@ -290,6 +293,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         request.seed = args.seed
     if args.num_draft_tokens is not None:
         request.num_draft_tokens = args.num_draft_tokens
+    if args.drafter:
+        request.drafter = args.drafter
     with grpc.insecure_channel(args.address) as channel:
         stub = coordinator_pb2_grpc.CoordinatorStub(channel)
         try:

@@ -32,8 +32,10 @@ from specd.contracts import (
     VerifyReply,
     VerifyRequest,
 )
+from specd import model_free
+from specd.model_free import NO_DRAFT, Draft, SuffixDrafter
 from specd.outage import DraftOutage
-from specd.policy import PolicyConfig, PolicyState, RoundObservation, inherit, next_k, observe
+from specd.policy import PolicyConfig, PolicyState, RoundObservation, hybrid, inherit, next_k, observe
 from specd.session import Lease, ServiceCursor, SessionState, SessionStats, SessionStore, Turn
 from specd.stopping import Decode, StopChecker, StopRules
 from specd.validation import validate_that
@@ -66,6 +68,7 @@ class GenerationRequest:
     policy: PolicyConfig = PolicyConfig()  # adaptive K and fallback, within the server's and request's bounds
     fixed_k: int | None = None  # pinned by the request: no adaptation, no fallback; 0 = plain decoding
     bos: int | None = None  # the model's start token: leads a new session unless the prompt starts with it
+    drafter: str = hybrid.AUTO  # auto | model | ngram | none: who drafts (specd/policy/hybrid.py)
 
 
 @dataclass(frozen=True)
@@ -77,6 +80,7 @@ class RoundRecord:
     target_position: int
     mode: str
     observation: RoundObservation  # what the round taught the policy (its timings)
+    drafter: str = hybrid.MODEL  # who drafted: model | ngram | none
 
 
 @dataclass(frozen=True)
@@ -100,6 +104,7 @@ class Services:
     verifier: Verifier
     store: SessionStore
     outage: DraftOutage = field(default_factory=DraftOutage)
+    model_free: SuffixDrafter | None = None  # drafts from the tokens at hand, in this process (None: off)
 
 
 @dataclass(frozen=True)
@@ -112,6 +117,7 @@ class _Turn:
     lease: Lease
     checker: StopChecker
     session_stats: SessionStats  # the session's counters before this request
+    owner: str = ""  # the session's owner: the model-free drafter's store of recent outputs is per owner
 
 
 @dataclass(frozen=True)
@@ -149,7 +155,8 @@ async def generate(
     again: it replies with what that turn committed and, if it had not finished, goes on with it."""
     lease, state = await services.store.begin(session_id, create=True, owner=owner)
     state, stored, replayed = await _open_turn(state, request, request_id, services.store)
-    turn = _Turn(request, session_id, services, lease, StopChecker(request.rules, decode), state.stats)
+    turn = _Turn(request, session_id, services, lease, StopChecker(request.rules, decode), state.stats,
+                 state.owner)
     progress = _Progress(state, stored, SessionStats())
     try:
         if replayed:  # the same checker over the same tokens: the reply so far, as first sent
@@ -164,6 +171,8 @@ async def generate(
         if progress.stats.rounds and request.fixed_k is None:
             await services.store.remember(progress.state.policy)
         checker = turn.checker
+        if services.model_free:
+            services.model_free.finished(turn.owner, checker.token_ids)
         yield Finished(checker.finish_reason, tuple(checker.token_ids), checker.text, progress.stats, progress.state)
     finally:
         if ephemeral:
@@ -178,9 +187,15 @@ async def run_round(turn: _Turn, progress: _Progress) -> RoundResult:
         start = time.perf_counter()
         remaining = request.rules.max_tokens - len(turn.checker.token_ids)
         k = min(_choose_k(request, state.policy), remaining - 1)  # a round commits at most k + 1 tokens
-        # 1. draft
-        drafting, outage = await _draft(turn, state, k)
-        proposal = drafting.reply.proposal if drafting else EMPTY_PROPOSAL
+        # 1. draft: from the tokens at hand, by the draft model, or not at all
+        free = _free_draft(turn, state, min(request.policy.max_k, remaining - 1))
+        source, k = _drafter(request, state.policy, k, free)
+        drafting, outage, proposal = None, False, EMPTY_PROPOSAL
+        if source == hybrid.FREE:
+            proposal = model_free.proposal(free.tokens[:k], request.params.greedy)
+        elif source == hybrid.MODEL:
+            drafting, outage = await _draft(turn, state, k)
+            proposal = drafting.reply.proposal if drafting else EMPTY_PROPOSAL
         k = len(proposal.tokens)  # a confidence stop may have drafted fewer
         # 2. verify
         verifying = await _call(state.target, state.tokens, lambda s: services.verifier.verify(
@@ -196,14 +211,16 @@ async def run_round(turn: _Turn, progress: _Progress) -> RoundResult:
         # 5. learn: acceptance and timings feed the K / fallback policy
         observation = _observation(k, a, drafting, verifying)
         policy = state.policy
-        if request.fixed_k is None and not outage:  # an outage's rounds say nothing of the policy
+        if source == hybrid.FREE:
+            policy = hybrid.observe_free(policy, observation, free.scores, request.policy)
+        elif request.fixed_k is None and not outage:  # an outage's rounds say nothing of the policy
             policy = observe(policy, observation, request.policy)
         resyncs = sum(call.resynced for call in (drafting, verifying) if call)
         stats = progress.stats + SessionStats().record(
             k, a, policy.fallbacks - state.policy.fallbacks, resyncs, observation.draft_s, observation.verify_s,
-            outage_rounds=int(outage),
+            outage_rounds=int(outage), model_free=source == hybrid.FREE,
         )
-        span.set_attributes(_round_attributes(progress.stats.rounds, observation, len(committed), policy.mode))
+        span.set_attributes(_round_attributes(progress.stats.rounds, observation, len(committed), policy.mode, source))
         state = replace(state, tokens=committed, draft=draft, target=target, policy=policy,
                         stats=turn.session_stats + stats)
         # 6. persist (fenced: fails if another coordinator took the session over), then emit
@@ -211,7 +228,7 @@ async def run_round(turn: _Turn, progress: _Progress) -> RoundResult:
         # The round's wall time includes its own save, so it reaches the store with the next one.
         stats += SessionStats(round_wall_s=time.perf_counter() - start)
     record = RoundRecord(k, a, len(committed), drafting and drafting.reply.position, verifying.reply.position,
-                         policy.mode, observation)
+                         policy.mode, observation, source)
     progress = _Progress(replace(state, stats=turn.session_stats + stats), len(committed), stats)
     return RoundResult(progress, emitted, text, record)
 
@@ -278,8 +295,10 @@ async def _start_from_prior(state: SessionState, store: SessionStore) -> Session
     return replace(state, policy=inherit(prior) if prior else state.policy)
 
 
-def _round_attributes(index: int, seen: RoundObservation, committed: int, mode: str) -> dict[str, int | float | str]:
+def _round_attributes(index: int, seen: RoundObservation, committed: int, mode: str,
+                      drafter: str) -> dict[str, int | float | str]:
     return {
+        "specd.drafter": drafter,
         "specd.round": index,
         "specd.k": seen.k,
         "specd.accepted": seen.accepted,
@@ -293,6 +312,26 @@ def _round_attributes(index: int, seen: RoundObservation, committed: int, mode: 
 
 def _choose_k(request: GenerationRequest, policy: PolicyState) -> int:
     return request.fixed_k if request.fixed_k is not None else next_k(policy, request.policy)
+
+
+def _free_draft(turn: _Turn, state: SessionState, cap: int) -> Draft:
+    """The model-free drafter's continuation of the committed tokens (nothing when it is off, not
+    asked for, or the round has no room)."""
+    drafter = turn.services.model_free
+    if drafter is None or turn.request.drafter not in (hybrid.AUTO, hybrid.FREE) or cap <= 0:
+        return NO_DRAFT
+    return drafter.propose(turn.session_id, turn.owner, state.tokens, cap)
+
+
+def _drafter(request: GenerationRequest, policy: PolicyState, k: int, free: Draft) -> tuple[str, int]:
+    """Who drafts this round, and how many tokens. A pinned K is the draft model's, unless the
+    request asked for the model-free drafter, whose draft it then caps."""
+    if request.fixed_k is not None and request.drafter != hybrid.FREE:
+        return (hybrid.MODEL, k) if k > 0 and request.drafter != hybrid.NONE else (hybrid.NONE, 0)
+    if request.fixed_k is not None:
+        free = Draft(free.tokens[:k], free.scores[:k], free.match)
+        return (hybrid.FREE, len(free.tokens)) if free.tokens else (hybrid.NONE, 0)
+    return hybrid.choose(request.drafter, policy.estimates, request.policy, k, free.scores)
 
 
 def _min_confidence(request: GenerationRequest) -> float:
@@ -368,6 +407,8 @@ async def forget(session_id: str, services: Services) -> None:
     once idle and a stored session expires, and a failure here must not mask the outcome.
     Shielded: a request cancelled (client gone, deadline passed) is exactly the one whose
     caches must still be freed, and its own task may be cancelled again while it waits."""
+    if services.model_free:
+        services.model_free.release(session_id)
     releases = asyncio.gather(
         services.drafter.release(session_id),
         services.verifier.release(session_id),

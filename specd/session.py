@@ -39,6 +39,8 @@ class SessionStats:
     verify_compute_s: float = 0.0  # model time the target service reported (plain steps included)
     round_wall_s: float = 0.0  # the coordinator's wall time for its rounds, store saves included
     outage_rounds: int = 0  # plain rounds because no draft replica answered (specd/loop.py: DraftOutage)
+    model_free_drafted: int = 0  # of `drafted`, drafted by the model-free drafter (specd/model_free.py)
+    model_free_accepted: int = 0  # of `accepted`, those
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -54,11 +56,13 @@ class SessionStats:
         draft_s: float = 0.0,
         verify_s: float = 0.0,
         outage_rounds: int = 0,
+        model_free: bool = False,
     ) -> "SessionStats":
         judged = accepted + (1 if accepted < k else 0)
         return self + SessionStats(
             1, k, accepted, (1,) * accepted, (1,) * k, fallbacks, resyncs, judged, draft_s, verify_s,
-            outage_rounds=outage_rounds,
+            outage_rounds=outage_rounds, model_free_drafted=k if model_free else 0,
+            model_free_accepted=accepted if model_free else 0,
         )
 
     def __add__(self, other: "SessionStats") -> "SessionStats":
@@ -75,6 +79,8 @@ class SessionStats:
             self.verify_compute_s + other.verify_compute_s,
             self.round_wall_s + other.round_wall_s,
             self.outage_rounds + other.outage_rounds,
+            self.model_free_drafted + other.model_free_drafted,
+            self.model_free_accepted + other.model_free_accepted,
         )
 
 

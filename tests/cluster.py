@@ -14,6 +14,7 @@ from pathlib import Path
 import grpc
 
 from specd.loop import Services
+from specd.model_free import SuffixDrafter
 from specd.engine import EngineConfig
 from services.common.server import start_server
 from services.coordinator import server as coordinator_server
@@ -47,8 +48,10 @@ class Cluster:
         draft_quantize: str = "none",
         target_quantize: str = "none",
         quotas: QuotaLimits | None = None,  # per-key quotas (the coordinator's flags), off unless a test asks
+        model_free: bool = True,  # the coordinator's --model-free (on by default, as there)
     ):
         self.redis_url, self.keys, self.audit_rate, self.quota_limits = redis_url, keys, audit_rate, quotas
+        self.model_free = model_free
         self.draft = draft_server.DraftServicer.load(
             EngineConfig(draft_dir, dtype=dtype, quantize=draft_quantize), "draft"
         )
@@ -76,6 +79,7 @@ class Cluster:
             GrpcDrafter([f"127.0.0.1:{ports['draft']}"]),
             GrpcVerifier([f"127.0.0.1:{ports['target']}"]),
             RedisSessionStore(self.redis_url),
+            model_free=SuffixDrafter() if self.model_free else None,
         )
         quotas = self.quota_limits and Quotas(self.services.store.client, self.quota_limits, session_ttl_s=3600)
         self.frontend = Frontend(self.services, self.model, self.limits, self.audit_rate, quotas)

@@ -17,6 +17,7 @@ import torch
 from specd import verify as verify_mod
 from specd.engine import EngineConfig, ModelEngine
 from specd.sampling import SamplingParams, warp
+from specd.model_free import proposal as point_mass_proposal
 from tests.engines import propose, verify_proposal
 from tests.tiny_gguf import write_tiny
 
@@ -103,4 +104,38 @@ def test_first_and_second_tokens_follow_the_target_distribution(engines, min_con
 def test_the_test_catches_resampling_from_p_after_a_rejection(engines, monkeypatch):
     monkeypatch.setattr(verify_mod, "residual", lambda p, q: p.double())
     p_first, p_second = p_values(engines)
+    assert min(p_first, p_second) < 1e-6, (p_first, p_second)
+
+
+# -- model-free drafts: a point mass (q one-hot) -------------------------------------------------
+
+
+def point_mass_first_two(target: ModelEngine, guesses: tuple[int, ...], seed: int) -> list[int]:
+    """Two tokens from rounds whose drafts are fixed guesses with q one-hot (a model-free drafter's)."""
+    params = SamplingParams(**PARAMS, seed=seed)
+    committed = list(PROMPT)
+    target.sync("m", 0, committed)
+    while len(committed) < len(PROMPT) + 2:
+        draft = point_mass_proposal(guesses, greedy=False)
+        verdict = verify_proposal(target, "m", draft, params)
+        committed += list(guesses[: verdict.num_accepted]) + [verdict.next_token]
+    target.release("m")
+    return committed[len(PROMPT) : len(PROMPT) + 2]
+
+
+def point_mass_p_values(target: ModelEngine) -> tuple[float, float]:
+    first, second = exact_marginals(target)
+    top = torch.argsort(first, descending=True)[:2].tolist()  # a likely guess, then a less likely one
+    runs = [point_mass_first_two(target, (top[0], top[1], top[0]), seed) for seed in range(N_SAMPLES)]
+    return chi_square_p_value([r[0] for r in runs], first), chi_square_p_value([r[1] for r in runs], second)
+
+
+def test_point_mass_drafts_follow_the_target_distribution(engines):
+    p_first, p_second = point_mass_p_values(engines[1])
+    assert p_first > 1e-3 and p_second > 1e-3, (p_first, p_second)
+
+
+def test_the_test_catches_a_point_mass_rejection_resampled_from_p(engines, monkeypatch):
+    monkeypatch.setattr(verify_mod, "residual", lambda p, q: p.double())  # x not taken out of p
+    p_first, p_second = point_mass_p_values(engines[1])
     assert min(p_first, p_second) < 1e-6, (p_first, p_second)

@@ -124,6 +124,20 @@ def test_speculation_off_and_a_fixed_k_give_the_same_text(client):
     assert plain.model_extra["specd"]["drafted_tokens"] == 0 and fixed.model_extra["specd"]["drafted_tokens"] > 0
 
 
+def test_a_request_may_ask_for_the_model_free_drafter(client):
+    def reply(**specd):
+        body = {"ignore_eos": True, **specd}
+        return client.completions.create(model=MODEL_NAME, prompt="abcabcabcabcabc", temperature=0, max_tokens=12,
+                                         extra_body=body)
+
+    plain, ngram = reply(speculation=False), reply(drafter="ngram")
+    assert plain.choices[0].text == ngram.choices[0].text
+    stats = ngram.model_extra["specd"]
+    assert stats["model_free_drafted_tokens"] == stats["drafted_tokens"] > 0
+    with pytest.raises(openai.BadRequestError, match="drafter must be one of"):
+        reply(drafter="oracle")
+
+
 def test_stop_string_ends_the_text(client):
     full = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], **GREEDY).choices[0].text
     stop = full[5:8]

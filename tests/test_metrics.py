@@ -57,6 +57,21 @@ def stream(cluster: Cluster, prompt: str, **fields) -> tuple[Replies, coordinato
     return replies, replies[-1].stats
 
 
+def test_model_free_drafts_are_counted_apart_and_within_the_totals(cluster):
+    registry = cluster.frontend.metrics.registry
+    before = samples(registry)
+    _, stats = stream(cluster, "abcabcabcabcabc", max_tokens=20, ignore_eos=True, drafter="ngram")
+    changes = deltas(before, samples(registry))
+    assert stats.model_free_drafted_tokens == stats.drafted_tokens > 0
+    expected = {
+        "specd:spec_decode_num_draft_tokens_total": stats.drafted_tokens,
+        "specd:spec_decode_num_accepted_tokens_total": stats.accepted_tokens,
+        "specd:spec_decode_num_model_free_draft_tokens_total": stats.model_free_drafted_tokens,
+        "specd:spec_decode_num_model_free_accepted_tokens_total": stats.model_free_accepted_tokens,
+    }
+    assert {name: delta(changes, name) for name in expected} == expected
+
+
 def test_coordinator_counters_move_by_the_request_stats(cluster):
     registry = cluster.frontend.metrics.registry
     before = samples(registry)

@@ -192,6 +192,7 @@ BAD_REQUESTS = {
     "malformed session id": dict(text="hi", session_id="no spaces allowed"),
     "max_draft_tokens = 0": dict(text="hi", max_draft_tokens=0),
     "max_draft_tokens too large": dict(text="hi", max_draft_tokens=1000),
+    "unknown drafter": dict(text="hi", drafter="oracle"),
 }
 
 
@@ -300,6 +301,27 @@ def test_per_request_overrides_speculation_off_and_max_k(stub, cluster, referenc
     assert len(capped.stats.drafted_per_position) <= 2
 
 
+def test_a_request_names_its_drafter_and_the_output_stays_the_targets(stub, cluster, reference):
+    prompt = "abcabcabcabcabcabcabcabc"  # text that repeats: the model-free drafter has something to go on
+    expected = reference(cluster.model.encode(prompt), N_TOKENS)
+    for drafter in ("auto", "model", "ngram", "none"):
+        s = (reply := complete(stub, prompt, max_tokens=N_TOKENS, ignore_eos=True, drafter=drafter)).stats
+        assert list(reply.token_ids) == expected, drafter
+        assert s.model_free_accepted_tokens <= s.model_free_drafted_tokens <= s.drafted_tokens
+        if drafter == "ngram":
+            assert s.model_free_drafted_tokens == s.drafted_tokens > 0 and s.draft_compute_s == 0
+        if drafter == "model":
+            assert s.model_free_drafted_tokens == 0
+        if drafter == "none":
+            assert s.drafted_tokens == 0 and s.rounds == N_TOKENS
+
+
+def test_a_sampled_request_verifies_model_free_drafts_as_point_masses(stub):
+    reply = complete(stub, "abcabcabcabcabcabcabcabc", max_tokens=N_TOKENS, ignore_eos=True, drafter="ngram",
+                     temperature=0.8, seed=3)
+    assert reply.stats.completion_tokens == N_TOKENS and reply.stats.model_free_drafted_tokens > 0
+
+
 def test_a_useless_draft_makes_the_session_fall_back(tmp_path, tiny_pair):
     """Another seed's draft knows nothing of this target: speculation stops, probes are rare.
     A Redis of its own: no policy learned by other tests' sessions to start from."""
@@ -308,7 +330,7 @@ def test_a_useless_draft_makes_the_session_fall_back(tmp_path, tiny_pair):
 
     useless_draft, _ = build_tiny_pair(tmp_path / "other", seed=7)
     with LocalRedis() as redis:
-        c = Cluster(useless_draft, tiny_pair[1], redis.url)
+        c = Cluster(useless_draft, tiny_pair[1], redis.url, model_free=False)  # the draft model's policy alone
         reply, summary = _useless_run(c)
     assert reply.stats.fallbacks >= 1 and reply.stats.mode == "plain"
     drafting_rounds = reply.stats.drafted_per_position[0]

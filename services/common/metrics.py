@@ -59,6 +59,14 @@ class CoordinatorMetrics:
             ["position"],
             registry=r,
         )
+        self.model_free_draft_tokens = Counter(
+            "specd:spec_decode_num_model_free_draft_tokens", "Of the draft tokens, drafted with no model (the tokens "
+            "at hand)", registry=r,
+        )
+        self.model_free_accepted_tokens = Counter(
+            "specd:spec_decode_num_model_free_accepted_tokens", "Of the accepted draft tokens, drafted with no model",
+            registry=r,
+        )
         self.fallbacks = Counter(
             "specd:spec_decode_fallbacks", "Switches from speculative to plain decoding", registry=r
         )
@@ -147,6 +155,8 @@ class RequestTracker:
         for position in range(len(stats.drafted_per_position)):  # zeros too: every drafted position has a series
             accepted = stats.accepted_per_position[position] if position < len(stats.accepted_per_position) else 0
             m.accepted_per_pos.labels(str(position)).inc(accepted)
+        m.model_free_draft_tokens.inc(stats.model_free_drafted)
+        m.model_free_accepted_tokens.inc(stats.model_free_accepted)
         m.fallbacks.inc(stats.fallbacks)
         m.outage_rounds.inc(stats.outage_rounds)
 

@@ -30,6 +30,7 @@ def client_request(msg: coordinator_pb2.GenerateRequest) -> ClientRequest:
         speculation=optional("speculation"),
         max_draft_tokens=optional("max_draft_tokens"),
         request_id=msg.request_id,
+        drafter=msg.drafter,
     )
 
 
@@ -52,6 +53,8 @@ def stats_to_proto(
         verify_compute_s=stats.verify_compute_s,
         round_wall_s=stats.round_wall_s,
         outage_rounds=stats.outage_rounds,
+        model_free_drafted_tokens=stats.model_free_drafted,
+        model_free_accepted_tokens=stats.model_free_accepted,
         mode=mode,
     )
 

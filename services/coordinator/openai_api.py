@@ -32,6 +32,7 @@ class SpecdOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     speculation: bool | None = None  # false: plain target decoding
+    drafter: str | None = Field(None, max_length=16)  # auto | model | ngram | none
     num_draft_tokens: int | None = Field(None, ge=1)  # a fixed K: adaptive K and fallback off
     max_draft_tokens: int | None = Field(None, ge=1)  # upper bound for adaptive K
     session_id: str | None = None  # continue (or start) a multi-turn session
@@ -144,6 +145,7 @@ def _client_request(body: SamplingFields, **prompt_and_length) -> ClientRequest:
         session_id=body.session_id or "",
         speculation=body.speculation,
         max_draft_tokens=body.max_draft_tokens,
+        drafter=body.drafter or "",
     )
 
 
@@ -216,6 +218,8 @@ def stats_json(stats: SessionStats) -> dict:
         "verify_compute_s": stats.verify_compute_s,
         "round_wall_s": stats.round_wall_s,
         "outage_rounds": stats.outage_rounds,
+        "model_free_drafted_tokens": stats.model_free_drafted,
+        "model_free_accepted_tokens": stats.model_free_accepted,
     }
 
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from specd.contracts import MAX_CLIENT_ID, SamplingParams
 from specd.loop import GenerationRequest
-from specd.policy import PolicyConfig
+from specd.policy import PolicyConfig, hybrid
 from specd.stopping import StopRules
 from specd.validation import validate_that
 from services.coordinator.model_info import ModelInfo
@@ -49,6 +49,7 @@ class ClientRequest:
     speculation: bool | None = None  # False: plain target decoding
     max_draft_tokens: int | None = None  # upper bound for adaptive K
     request_id: str = ""  # names a session's turn: a retry with it does not append the prompt again
+    drafter: str = ""  # auto (""), model, ngram or none: who drafts (specd/policy/hybrid.py)
 
 
 SESSION_ID = re.compile(rf"[A-Za-z0-9._:-]{{1,{MAX_CLIENT_ID}}}")  # session and request ids alike
@@ -89,7 +90,9 @@ def generation_request(req: ClientRequest, model: ModelInfo, limits: Limits) -> 
     ).validate()
     rules = StopRules(max_tokens, req.stop, model.eos_token_ids, req.ignore_eos)
     bos = model.bos_token_id if req.token_ids is None else None  # token ids are taken as given
-    return GenerationRequest(tuple(prompt), rules, params, policy_config(limits, max_k), fixed_k, bos)
+    drafter = req.drafter or hybrid.AUTO
+    validate_that(drafter in hybrid.DRAFTERS, f"drafter must be one of {', '.join(hybrid.DRAFTERS)}")
+    return GenerationRequest(tuple(prompt), rules, params, policy_config(limits, max_k), fixed_k, bos, drafter)
 
 
 def policy_config(limits: Limits, max_k: int) -> PolicyConfig:

@@ -14,6 +14,7 @@ from pathlib import Path
 from specd import audit
 from specd.contracts import EngineInfo
 from specd.loop import Drafter, Services, Verifier
+from specd.model_free import SuffixDrafter
 from specd.outage import DRAFT_TIMEOUT_S, DraftOutage
 from specd.policy import PolicyConfig
 from services.common import discovery, settings
@@ -70,6 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
     settings.add(parser, "--draft-timeout-s", type=float, default=DRAFT_TIMEOUT_S,
                  help="a proposal no draft replica answered within this decodes the round plainly, and the "
                       "coordinator decodes plainly until a draft replica answers again")
+    settings.add(parser, "--model-free", default="on", choices=("on", "off"),
+                 help="draft from the session's own tokens and its API key's recent outputs too, in this process "
+                      "(specd/model_free.py), where that is predicted to commit more tokens a second than the draft "
+                      "model or a plain step; a request may ask for one drafter (`drafter`)")
     settings.add(parser, "--target-wait-s", type=float, default=target_client.WAIT_S,
                  help="a round waits this long for some target replica, then the request fails UNAVAILABLE (503); "
                       "the session stays resumable")
@@ -137,7 +142,8 @@ def build(args: argparse.Namespace, drafter: Drafter, verifier: Verifier) -> Fro
         drafter, verifier = NetworkDelay(drafter, rtt_s), NetworkDelay(verifier, rtt_s)
     password = args.redis_password_file.read_text().strip() if args.redis_password_file else None
     store = RedisSessionStore(args.redis_url, ttl_s=args.session_ttl_s, password=password)
-    services = Services(drafter, verifier, store, DraftOutage(args.draft_timeout_s))
+    model_free = SuffixDrafter() if args.model_free == "on" else None
+    services = Services(drafter, verifier, store, DraftOutage(args.draft_timeout_s), model_free)
     quota_limits = QuotaLimits(args.key_max_in_flight, args.key_max_sessions, args.key_tokens_per_minute)
     quotas = Quotas(store.client, quota_limits, args.session_ttl_s)
     return Frontend(services, load_model_info(args.model), limits, args.audit_rate, quotas)

@@ -8,6 +8,7 @@ from specd.validation import validate_that
 
 SPECULATIVE, PLAIN = "speculative", "plain"
 CALIBRATION_ROUNDS = 2  # plain rounds a fresh state may spend measuring verify(0)
+FREE_PRIOR = 2.0  # weight, in drafts, of the prior that a model-free draft's scores are right
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,13 @@ class Estimates:
     accepted_count: float = 0.0  # decayed count of accepted drafts; alpha = accepted_count / tested_count
     tested_count: float = 0.0  # decayed count of drafts the target judged (accepted + 1 unless all passed)
     judged: int = 0  # drafts the target judged in this session (not decayed, not inherited)
+    free_accepted: float = 0.0  # decayed count of accepted model-free drafts (specd/policy/hybrid.py)
+    free_expected: float = 0.0  # decayed sum of those drafts' scores: what the drafter expected
+
+    @property
+    def free_calibration(self) -> float:
+        """c: accepted model-free drafts per unit of score, from a prior of 1 worth FREE_PRIOR drafts."""
+        return (self.free_accepted + FREE_PRIOR) / (self.free_expected + FREE_PRIOR)
 
 
 @dataclass(frozen=True)

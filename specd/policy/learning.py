@@ -4,6 +4,7 @@ prior a deployment's start-up calibration measures. Rationale: docs/policy.md.""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Sequence
 
 from specd.policy.base import Estimates, PolicyConfig, PolicyState, RoundObservation
@@ -26,11 +27,11 @@ def learn(
         draft_step = step if draft_step is None else _ewma(draft_step, step, w)
     verify_s = est.verify_s
     if not target_cold and not (obs.target_shared and is_measured(est)):
-        verify_s = _learn_verify(est.verify_s, obs.k, obs.verify_s, w)
+        verify_s = learn_verify(est.verify_s, obs.k, obs.verify_s, w)
     rtt = obs.rtt_s if est.observations == 0 else _ewma(est.rtt_s, obs.rtt_s, w)
-    return Estimates(
-        alpha, draft_step, verify_s, rtt, est.observations + 1, accepted_count, tested_count, est.judged + judged,
-    )
+    return replace(est, alpha=alpha, draft_step_s=draft_step, verify_s=verify_s, rtt_s=rtt,
+                   observations=est.observations + 1, accepted_count=accepted_count, tested_count=tested_count,
+                   judged=est.judged + judged)
 
 
 def _learn_acceptance(est: Estimates, obs: RoundObservation, window: int) -> tuple[float, float, int]:
@@ -51,7 +52,7 @@ def _learn_acceptance(est: Estimates, obs: RoundObservation, window: int) -> tup
     return accepted * keep + obs.accepted, tested * keep + judged, judged
 
 
-def _learn_verify(verify_s: tuple[tuple[int, float], ...], k: int, seconds: float, w: float):
+def learn_verify(verify_s: tuple[tuple[int, float], ...], k: int, seconds: float, w: float):
     points = dict(verify_s)
     points[k] = seconds if k not in points else _ewma(points[k], seconds, w)
     return tuple(sorted(points.items()))

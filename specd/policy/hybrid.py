@@ -1,0 +1,79 @@
+"""Which drafter a round uses: the model-free draft at hand, the draft model at the policy's K, or
+none, by the tokens per second each is predicted to commit (docs/policy.md).
+
+Rates, with T(0) = verify(0) + rtt the plain step:
+- none: 1 / T(0)
+- the draft model at K: S(K) / T(0) (S from specd/policy/cost.py)
+- a model-free draft's first m tokens: (1 + E_m) / (verify(m) + rtt), one RPC (it costs no draft
+  call), E_m = Σ_{i<m} min(1, c · score_i): a token's score is the drafter's estimate that it and
+  every token before it are accepted, and c corrects it by what this deployment's target has
+  accepted of such drafts (decayed counts, as α's).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import replace
+
+from specd.policy.base import PLAIN, Estimates, PolicyConfig, PolicyState, RoundObservation
+from specd.policy.cost import is_measured, predicted_speedup, verify_time
+from specd.policy.learning import learn_verify
+
+AUTO, MODEL, FREE, NONE = "auto", "model", "ngram", "none"
+DRAFTERS = (AUTO, MODEL, FREE, NONE)
+UNMEASURED_MIN_EXPECTED = 1.0  # before timings exist, a model-free draft is used when it expects a token
+
+
+def free_expected(est: Estimates, scores: Sequence[float], m: int) -> float:
+    """E_m: the accepted tokens a model-free draft's first m tokens are expected to bring."""
+    c = est.free_calibration
+    return sum(min(1.0, c * s) for s in scores[:m])
+
+
+def free_choice(est: Estimates, scores: Sequence[float]) -> tuple[int, float]:
+    """(m, tokens/s) of the best prefix of a model-free draft (m = 0: none of it pays)."""
+    if not scores or not is_measured(est):
+        m = len(scores) if free_expected(est, scores, len(scores)) >= UNMEASURED_MIN_EXPECTED else 0
+        return m, math.nan
+    rates = [(m, (1 + free_expected(est, scores, m)) / (verify_time(est, m) + est.rtt_s))
+             for m in range(len(scores) + 1)]
+    return max(rates, key=lambda mr: (mr[1], -mr[0]))
+
+
+def choose(drafter: str, est: Estimates, config: PolicyConfig, k: int, scores: Sequence[float]) -> tuple[str, int]:
+    """(the round's drafter, its draft length) from the request's `drafter`, the policy's K for the
+    draft model (0: plain step or no draft model) and a model-free draft's scores."""
+    if drafter == NONE:
+        return NONE, 0
+    if drafter == MODEL:
+        return (MODEL, k) if k > 0 else (NONE, 0)
+    m, free_rate = free_choice(est, scores)
+    if drafter == FREE:
+        return (FREE, m) if m > 0 else (NONE, 0)
+    if m == 0:  # auto, and no model-free draft pays
+        return (MODEL, k) if k > 0 else (NONE, 0)
+    if k == 0 or math.isnan(free_rate):  # it pays against a plain step; nothing measured to weigh
+        return FREE, m
+    model_rate = predicted_speedup(est, k) / (verify_time(est, 0) + est.rtt_s)
+    return (FREE, m) if free_rate >= model_rate else (MODEL, k)
+
+
+def learn_free(est: Estimates, obs: RoundObservation, scores: Sequence[float], config: PolicyConfig) -> Estimates:
+    """A model-free round teaches the calibration c and the target's verify time at its K, nothing
+    of the draft model (α, its step)."""
+    keep = 1.0 - 1.0 / config.alpha_window
+    accepted = est.free_accepted * keep + obs.accepted
+    expected = est.free_expected * keep + sum(scores[: obs.k])
+    verify_s = est.verify_s
+    if not obs.target_cold and not obs.target_shared:
+        verify_s = learn_verify(verify_s, obs.k, obs.verify_s, config.smoothing)
+    return replace(est, free_accepted=accepted, free_expected=expected, verify_s=verify_s)
+
+
+def observe_free(state: PolicyState, obs: RoundObservation, scores: Sequence[float], config: PolicyConfig) -> PolicyState:
+    """After a model-free round: its lessons (`learn_free`); plain mode's wait for a probe of the
+    draft model goes on, and that model's next draft is cold (it has the round's tokens to catch up on)."""
+    countdown = max(0, state.plain_rounds_until_probe - 1) if state.mode == PLAIN else state.plain_rounds_until_probe
+    return replace(state, estimates=learn_free(state.estimates, obs, scores, config), drafted_last_round=False,
+                   plain_rounds_until_probe=countdown)

@@ -1,0 +1,138 @@
+"""Drafting without a model: the hybrid choice of a round's drafter (specd/policy/hybrid.py) and the
+loop with the model-free drafter (specd/model_free.py) against scripted fakes that count calls."""
+
+from __future__ import annotations
+
+import asyncio
+import pytest
+
+from specd.contracts import SamplingParams
+from specd.loop import Finished, GenerationRequest, RoundRecord, Services, generate
+from specd.model_free import SuffixDrafter
+from specd.policy import Estimates, PolicyConfig, PolicyState, RoundObservation, hybrid
+from specd.stopping import StopRules
+from tests.fakes import FakeDrafter, FakeStore, FakeVerifier, target_alone, target_rule
+
+PROMPT = (3, 1, 4, 1, 5, 9, 2, 6)
+CONFIG = PolicyConfig()
+# measured: a plain step 30 ms, each extra verification row 4 ms, a draft step 15 ms, 2 ms a call
+MEASURED = Estimates(alpha=0.6, draft_step_s=0.015, verify_s=tuple((k, 0.03 + 0.004 * k) for k in range(9)),
+                     rtt_s=0.002, observations=20)
+
+
+def repeating(prefix) -> int:
+    """A target that repeats the prompt over and over: text the session has seen predicts it."""
+    return prefix[len(prefix) % len(PROMPT)]
+
+
+def counting(prefix) -> int:
+    """A target whose text never repeats (within the vocabulary): nothing in a session predicts it."""
+    return 10 + len(prefix)
+
+
+def useless(prefix) -> int:
+    return (repeating(prefix) + 1) % 50
+
+
+def run(request: GenerationRequest, drafter: FakeDrafter, verifier: FakeVerifier, model_free: SuffixDrafter | None,
+        session: str = "s", owner: str = "alice", records: list | None = None) -> Finished:
+    services = Services(drafter, verifier, FakeStore(), model_free=model_free)
+
+    async def collect():
+        return [e async for e in generate(request, session, services, lambda ids: "", True,
+                                          records.append if records is not None else None, owner)]
+
+    return asyncio.run(collect())[-1]
+
+
+def request(drafter: str = hybrid.AUTO, max_tokens: int = 40, prompt=PROMPT, k: int | None = None) -> GenerationRequest:
+    return GenerationRequest(tuple(prompt), StopRules(max_tokens, (), frozenset()), SamplingParams(), fixed_k=k,
+                             drafter=drafter)
+
+
+# -- the choice ------------------------------------------------------------------------------------
+
+
+def test_a_sure_model_free_draft_beats_the_draft_model_and_an_unsure_one_does_not():
+    assert hybrid.choose(hybrid.AUTO, MEASURED, CONFIG, 4, [1.0] * 8) == (hybrid.FREE, 8)
+    assert hybrid.choose(hybrid.AUTO, MEASURED, CONFIG, 4, [0.1]) == (hybrid.MODEL, 4)
+    assert hybrid.choose(hybrid.AUTO, MEASURED, CONFIG, 0, [0.05]) == (hybrid.NONE, 0)  # plain mode, a long shot
+
+
+def test_the_best_prefix_of_a_model_free_draft_is_sent():
+    m, _ = hybrid.free_choice(MEASURED, [1.0, 0.9, 0.8, 0.05, 0.01])
+    assert m == 3  # the last two cost a verification row each and expect almost nothing
+
+
+def test_the_request_decides_who_may_draft():
+    assert hybrid.choose(hybrid.NONE, MEASURED, CONFIG, 4, [1.0] * 8) == (hybrid.NONE, 0)
+    assert hybrid.choose(hybrid.MODEL, MEASURED, CONFIG, 4, [1.0] * 8) == (hybrid.MODEL, 4)
+    assert hybrid.choose(hybrid.FREE, MEASURED, CONFIG, 4, [0.1]) == (hybrid.NONE, 0)
+    assert hybrid.choose(hybrid.FREE, MEASURED, CONFIG, 4, [1.0, 1.0]) == (hybrid.FREE, 2)
+
+
+def test_drafts_the_target_keeps_rejecting_lower_the_calibration_until_none_is_sent():
+    state = PolicyState(estimates=MEASURED)
+    scores = [0.9, 0.8, 0.7, 0.6]
+    rounds = 0
+    while hybrid.choose(hybrid.AUTO, state.estimates, CONFIG, 0, scores)[0] == hybrid.FREE:
+        rejected = RoundObservation(k=4, accepted=0, draft_s=0.0, verify_s=0.046, rtt_s=0.002)
+        state = hybrid.observe_free(state, rejected, scores, CONFIG)
+        rounds += 1
+        assert rounds < 10
+    assert state.estimates.free_calibration < 0.3 and rounds >= 2  # not one unlucky round
+
+
+# -- the loop ----------------------------------------------------------------------------------------
+
+
+def test_a_repeating_text_is_drafted_without_the_draft_model_and_the_output_is_the_targets():
+    drafter, verifier = FakeDrafter(useless), FakeVerifier(repeating)
+    records: list[RoundRecord] = []
+    done = run(request(), drafter, verifier, SuffixDrafter(), records=records)
+    assert list(done.token_ids) == _alone(repeating, 40)
+    assert done.stats.model_free_accepted >= 30 and done.stats.model_free_drafted >= done.stats.model_free_accepted
+    assert verifier.calls < 12  # 40 tokens in long accepted runs
+    assert {r.drafter for r in records} >= {hybrid.FREE}
+
+
+@pytest.mark.parametrize("who", [hybrid.NONE, hybrid.MODEL, hybrid.FREE])
+def test_a_request_names_its_drafter(who):
+    drafter, verifier = FakeDrafter(target_rule), FakeVerifier(repeating)
+    records: list[RoundRecord] = []
+    done = run(request(who, max_tokens=24), drafter, verifier, SuffixDrafter(), records=records)
+    assert list(done.token_ids) == _alone(repeating, 24)
+    used = {r.drafter for r in records} - {hybrid.NONE}
+    assert used <= ({who} - {hybrid.NONE})
+    assert (drafter.calls > 0) == (who == hybrid.MODEL)
+    assert (done.stats.model_free_drafted > 0) == (who == hybrid.FREE)
+
+
+def test_a_pinned_k_caps_the_model_free_draft():
+    records: list[RoundRecord] = []
+    run(request(hybrid.FREE, k=2), FakeDrafter(useless), FakeVerifier(repeating), SuffixDrafter(), records=records)
+    assert max(r.k for r in records) == 2
+
+
+def test_an_owner_drafts_from_its_earlier_outputs_and_no_one_else_does():
+    free = SuffixDrafter()
+    first = run(request(max_tokens=30), FakeDrafter(useless), FakeVerifier(counting), free, "a", "alice")
+    assert list(first.token_ids) == _alone(counting, 30) and first.stats.model_free_drafted == 0
+    again = run(request(max_tokens=30), FakeDrafter(useless), FakeVerifier(counting), free, "b", "alice")
+    other = run(request(max_tokens=30), FakeDrafter(useless), FakeVerifier(counting), free, "c", "bob")
+    assert again.token_ids == other.token_ids == first.token_ids
+    assert again.stats.model_free_accepted >= 20  # alice's first output, drafted for alice
+    assert other.stats.model_free_drafted == 0  # never for bob
+
+
+def test_without_a_model_free_drafter_the_loop_is_as_it_was():
+    drafter, verifier = FakeDrafter(target_rule), FakeVerifier(target_rule)
+    done = run(request(k=4), drafter, verifier, None)
+    assert list(done.token_ids) == target_alone(PROMPT, 40) and done.stats.model_free_drafted == 0
+
+
+def _alone(rule, n: int) -> list[int]:
+    seq = list(PROMPT)
+    for _ in range(n):
+        seq.append(rule(seq))
+    return seq[len(PROMPT):]
