@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import collections
+import itertools
 import json
 import platform
+import secrets
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from contextlib import contextmanager
@@ -22,9 +25,35 @@ from services.protogen.specd.v1 import coordinator_pb2, coordinator_pb2_grpc
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+TENANTS = 4096  # API keys a benchmark's deployment knows: one per request, so none sees another's
+
+
+class FreshTenants:
+    """A coordinator stub whose every request comes from an API key of its own. The model-free
+    drafter keeps each key's recent outputs; a benchmark asks the same prompts again and again, and
+    must time decoding text, not recalling the answer it gave a moment ago."""
+
+    def __init__(self, stub: coordinator_pb2_grpc.CoordinatorStub, keys: list[str]):
+        self._stub, self._keys = stub, itertools.cycle(keys)
+
+    def __getattr__(self, method: str):
+        call = getattr(self._stub, method)
+        return lambda request, **kwargs: call(request, metadata=[("authorization", f"Bearer {next(self._keys)}")],
+                                              **kwargs)
+
+
+def tenant_keys(directory: Path, n: int = TENANTS) -> tuple[Path, list[str]]:
+    """An API keys file of n keys (`specd up --api-keys-file`), and the keys."""
+    keys = [secrets.token_urlsafe(24) for _ in range(n)]
+    path = directory / "api-keys"
+    path.write_text("".join(f"bench-{i}:{key}\n" for i, key in enumerate(keys)))
+    path.chmod(0o600)
+    return path, keys
+
+
 @dataclass(frozen=True)
 class Up:
-    stub: coordinator_pb2_grpc.CoordinatorStub
+    stub: coordinator_pb2_grpc.CoordinatorStub | FreshTenants
     pid: int  # the `specd up` process; the services are its children
 
     def rss(self) -> dict[str, int]:
@@ -73,8 +102,10 @@ def specd_up(*flags: str, timeout_s: float = 600):
     and the services' memory)."""
     ports = {role: free_port() for role in ("coordinator", "draft", "target", "http", "draft-metrics", "target-metrics")}
     port_flags = [arg for role, port in ports.items() for arg in (f"--{role}-port", str(port))]
+    secrets_dir = tempfile.TemporaryDirectory()
+    keys_file, keys = tenant_keys(Path(secrets_dir.name))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "up", *port_flags, *flags],
+        [sys.executable, "-m", "services.cli", "up", *port_flags, "--api-keys-file", str(keys_file), *flags],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:
@@ -89,10 +120,11 @@ def specd_up(*flags: str, timeout_s: float = 600):
         # Read (and drop) its output from here on, which the services log to: a full pipe would block them.
         threading.Thread(target=collections.deque, args=(proc.stdout, 0), daemon=True).start()
         with grpc.insecure_channel(f"127.0.0.1:{ports['coordinator']}") as channel:
-            yield Up(coordinator_pb2_grpc.CoordinatorStub(channel), proc.pid)
+            yield Up(FreshTenants(coordinator_pb2_grpc.CoordinatorStub(channel), keys), proc.pid)
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+        secrets_dir.cleanup()
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,9 @@ def load(results: Path, name: str) -> dict:
 def _configs(run: dict) -> list[tuple[str, str, bool]]:
     """(key, label, with TTFT) of each configuration, in the table's order."""
     fixed = [(f"K={k}", f"specd K = {k}", False) for k in run["settings"]["ks"]]
+    model_only = [("adaptive_model", "specd adaptive, draft model only", False)]
     return [("plain", "specd plain (speculation off)", True), *fixed, ("adaptive", "specd adaptive", True),
+            *(model_only if "adaptive_model" in run["classes"]["code"]["configs"] else []),
             ("llama_plain", "llama-server plain", True), ("llama_spec", "llama-server speculative", False)]
 
 

@@ -12,6 +12,7 @@ from benchmarks import common
 from specd.policy import expected_tokens
 
 PLAIN, ADAPTIVE, HF_ASSISTED, HF_PLAIN = "plain", "adaptive", "hf_assisted", "hf_plain"
+ADAPTIVE_MODEL = "adaptive_model"  # adaptive with the draft model alone: what the model-free drafter adds
 LLAMA_PLAIN, LLAMA_SPEC = "llama_plain", "llama_spec"  # llama.cpp's llama-server on the same GGUF files
 PEERS = (HF_PLAIN, HF_ASSISTED, LLAMA_PLAIN, LLAMA_SPEC)  # not specd: no round statistics
 CLASS_GOALS = {"code": 2.5, "prose": 1.3, "chat": 1.8}  # adaptive speedup vs plain (set for the fp32 engine)
@@ -25,7 +26,8 @@ STAT_FIELDS = (  # the GenerationStats a run keeps and the figures add up
 
 
 def service_configs(ks: tuple[int, ...]) -> dict[str, dict]:
-    return {PLAIN: {"speculation": False}, **{f"K={k}": {"num_draft_tokens": k} for k in ks}, ADAPTIVE: {}}
+    return {PLAIN: {"speculation": False}, **{f"K={k}": {"num_draft_tokens": k} for k in ks}, ADAPTIVE: {},
+            ADAPTIVE_MODEL: {"drafter": "model"}}
 
 
 @dataclass(frozen=True)

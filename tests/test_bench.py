@@ -9,7 +9,7 @@ import pytest
 
 from benchmarks import bench, common
 from benchmarks.bench import BenchConfig, mismatches
-from benchmarks.summary import ADAPTIVE, HF_ASSISTED, LLAMA_PLAIN, LLAMA_SPEC, PLAIN, Measured
+from benchmarks.summary import ADAPTIVE, ADAPTIVE_MODEL, HF_ASSISTED, LLAMA_PLAIN, LLAMA_SPEC, PLAIN, Measured
 
 pytestmark = pytest.mark.slow  # whole benchmark runs through specd up
 
@@ -31,12 +31,12 @@ def test_bench_runs_end_to_end_and_reports_every_figure(tiny_pair, redis_url, re
     bench.run(cfg)
 
     result = json.loads((results_dir / "tiny.json").read_text())
-    # specd's 4 configurations against its plain decoding, HF assisted against HF plain (each
-    # deployment against its own numerics): 2 repeats x 3 prompts x 5, and the concurrency runs.
-    assert result["lossless"]["mismatches"] == [] and result["lossless"]["checked"] == 2 * 3 * 5 + 2 * 2
+    # specd's 5 configurations against its plain decoding, HF assisted against HF plain (each
+    # deployment against its own numerics): 2 repeats x 3 prompts x 6, and the concurrency runs.
+    assert result["lossless"]["mismatches"] == [] and result["lossless"]["checked"] == 2 * 3 * 6 + 2 * 2
     assert set(result["classes"]) == {"code", "prose", "chat"}
     for summary in result["classes"].values():
-        assert set(summary["configs"]) == {PLAIN, "K=1", "K=2", ADAPTIVE, HF_ASSISTED, "hf_plain"}
+        assert set(summary["configs"]) == {PLAIN, "K=1", "K=2", ADAPTIVE, ADAPTIVE_MODEL, HF_ASSISTED, "hf_plain"}
         assert {row["requests"] for row in summary["configs"].values()} == {2}  # the repeats, pooled
         for config in ("K=1", "K=2", ADAPTIVE):
             row = summary["configs"][config]
@@ -102,3 +102,18 @@ def test_an_output_that_differs_from_plain_decoding_is_reported():
     (shorter,) = mismatches(plain, [_run(HF_ASSISTED, (5, 6, 7))])
     assert "token 3" in shorter and "lengths 3 vs 4" in shorter
     assert bench.LosslessViolation("LOSSLESS VIOLATION").code != 0
+
+
+def test_every_benchmark_request_comes_from_an_api_key_of_its_own(tmp_path):
+    """The model-free drafter keeps each key's recent outputs: a repeated prompt must not find its answer there."""
+    from benchmarks.common import FreshTenants, tenant_keys
+    from services.coordinator.auth import ApiKeys
+
+    path, keys = tenant_keys(tmp_path, 5)
+    owners = ApiKeys.from_file(path)
+    seen = []
+    stub = type("Stub", (), {"Complete": lambda self, request, metadata, timeout: seen.append(dict(metadata))})()
+    tenants = FreshTenants(stub, keys)
+    for _ in range(5):
+        tenants.Complete("request", timeout=1)
+    assert len({owners.owner(m["authorization"]) for m in seen}) == 5
