@@ -63,8 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
         settings.add(up, f"--{role}-port", type=int, default=port, help=f"{role} gRPC port")
     for role, port in METRICS_PORTS.items():
         settings.add(up, f"--{role}-metrics-port", type=int, default=port, help=f"{role} /metrics port (0: off)")
-        settings.add(up, f"--{role}-replicas", type=int, default=1,
-                     help=f"{role} service processes (replica i on the {role} ports + {REPLICA_STRIDE}·i)")
+        settings.add(up, f"--{role}-replicas", type=_replicas(role), default=1,
+                     help=f"{role} service processes (replica i on the {role} ports + {REPLICA_STRIDE}·i)"
+                          + ("; 0: no draft model, the coordinator drafts from the tokens at hand alone" * (role == "draft")))
     settings.add(up, "--draft-threads", type=int, help="torch threads of the draft service")
     _add_quantize(up)
     settings.add(up, "--draft-max-batch", type=int, default=DEFAULT_MAX_BATCH,
@@ -232,6 +233,19 @@ def _model_paths(args: argparse.Namespace) -> dict[str, Path]:
     chosen = {role: getattr(args, f"{role}_model") for role in ("draft", "target")}
     paths = fetch(args.models_dir, tuple(role for role, path in chosen.items() if path is None))
     return paths | {role: path for role, path in chosen.items() if path is not None}
+
+
+def _replicas(role: str):
+    """A replica count: the target needs one at least; a deployment may run without a draft model."""
+    least = 0 if role == "draft" else 1
+
+    def count(value: str) -> int:
+        n = int(value)
+        if n < least:
+            raise argparse.ArgumentTypeError(f"{role} replicas must be >= {least}, got {n}")
+        return n
+
+    return count
 
 
 def cmd_up(args: argparse.Namespace) -> int:

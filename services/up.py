@@ -95,7 +95,8 @@ def commands(
         *("-m", "services.coordinator", "--model", str(paths["target"])),
         *("--host", args.host, "--port", str(args.coordinator_port), "--default-k", str(args.default_k)),
         *("--inject-rtt-ms", str(args.inject_rtt_ms)),
-        *("--draft-addr", ",".join(addr["draft"]), "--target-addr", ",".join(addr["target"])),
+        *("--draft-addr", ",".join(addr["draft"]) or settings.NO_DRAFT),
+        *("--target-addr", ",".join(addr["target"])),
         *("--http-port", str(args.http_port)),
     ]
     if args.api_keys_file:
@@ -130,8 +131,8 @@ def _run_services(
         children.start()
         _wait_ready([(a, role) for role in ("draft", "target", "coordinator") for a in addr[role]], children, tls_dir)
         print(
-            f"specd is up: coordinator {addr['coordinator'][0]} (draft {','.join(addr['draft'])}, target "
-            f"{','.join(addr['target'])}, sessions in {without_password(redis_url)})",
+            f"specd is up: coordinator {addr['coordinator'][0]} (draft {','.join(addr['draft']) or settings.NO_DRAFT}, "
+            f"target {','.join(addr['target'])}, sessions in {without_password(redis_url)})",
             flush=True,
         )
         if args.http_port >= 0:

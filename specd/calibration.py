@@ -32,7 +32,7 @@ async def calibrate(services: Services, decode: Decode, config: PolicyConfig) ->
     on from the last committed token (K + 1 rows, as in a session); K = 0 last in a sweep, so the
     draft is never more than the round's own tokens behind (a catch-up would time a prefill)."""
     session_id = f"calibration-{uuid.uuid4().hex}"
-    ks = sorted(calibration_ks(config), key=lambda k: k == 0) * SWEEPS
+    ks = sorted(calibration_ks(config) if services.drafter else (0,), key=lambda k: k == 0) * SWEEPS
     try:
         await _one_round(services, decode, session_id, SCRATCH_PROMPT, 1, config)  # both services prefill
         rounds = [await _one_round(services, decode, session_id, (), k, config) for k in ks]

@@ -100,7 +100,7 @@ class Finished:
 
 @dataclass(frozen=True)
 class Services:
-    drafter: Drafter
+    drafter: Drafter | None  # None: no draft model (the model-free drafter may still draft)
     verifier: Verifier
     store: SessionStore
     outage: DraftOutage = field(default_factory=DraftOutage)
@@ -189,7 +189,7 @@ async def run_round(turn: _Turn, progress: _Progress) -> RoundResult:
         k = min(_choose_k(request, state.policy), remaining - 1)  # a round commits at most k + 1 tokens
         # 1. draft: from the tokens at hand, by the draft model, or not at all
         free = _free_draft(turn, state, min(request.policy.max_k, remaining - 1))
-        source, k = _drafter(request, state.policy, k, free)
+        source, k = _drafter(request, state.policy, k, free, services.drafter is not None)
         drafting, outage, proposal = None, False, EMPTY_PROPOSAL
         if source == hybrid.FREE:
             proposal = model_free.proposal(free.tokens[:k], request.params.greedy)
@@ -323,15 +323,15 @@ def _free_draft(turn: _Turn, state: SessionState, cap: int) -> Draft:
     return drafter.propose(turn.session_id, turn.owner, state.tokens, cap)
 
 
-def _drafter(request: GenerationRequest, policy: PolicyState, k: int, free: Draft) -> tuple[str, int]:
-    """Who drafts this round, and how many tokens. A pinned K is the draft model's, unless the
-    request asked for the model-free drafter, whose draft it then caps."""
+def _drafter(request: GenerationRequest, policy: PolicyState, k: int, free: Draft, model: bool) -> tuple[str, int]:
+    """Who drafts this round, and how many tokens (`model`: there is a draft model). A pinned K is
+    the draft model's, unless the request asked for the model-free drafter, whose draft it then caps."""
     if request.fixed_k is not None and request.drafter != hybrid.FREE:
-        return (hybrid.MODEL, k) if k > 0 and request.drafter != hybrid.NONE else (hybrid.NONE, 0)
+        return (hybrid.MODEL, k) if k > 0 and model and request.drafter != hybrid.NONE else (hybrid.NONE, 0)
     if request.fixed_k is not None:
         free = Draft(free.tokens[:k], free.scores[:k], free.match)
         return (hybrid.FREE, len(free.tokens)) if free.tokens else (hybrid.NONE, 0)
-    return hybrid.choose(request.drafter, policy.estimates, request.policy, k, free.scores)
+    return hybrid.choose(request.drafter, policy.estimates, request.policy, k if model else 0, free.scores)
 
 
 def _min_confidence(request: GenerationRequest) -> float:
@@ -410,7 +410,7 @@ async def forget(session_id: str, services: Services) -> None:
     if services.model_free:
         services.model_free.release(session_id)
     releases = asyncio.gather(
-        services.drafter.release(session_id),
+        *([services.drafter.release(session_id)] if services.drafter else []),
         services.verifier.release(session_id),
         services.store.delete(session_id),
         return_exceptions=True,

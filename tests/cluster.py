@@ -38,7 +38,7 @@ MODEL_NAME = "tiny-target"  # the id the REST gateway serves
 class Cluster:
     def __init__(
         self,
-        draft_dir: Path,
+        draft_dir: Path | None,  # None: no draft model (the coordinator's --draft-addr none)
         target_dir: Path,
         redis_url: str,
         dtype: str = "float64",
@@ -52,13 +52,13 @@ class Cluster:
     ):
         self.redis_url, self.keys, self.audit_rate, self.quota_limits = redis_url, keys, audit_rate, quotas
         self.model_free = model_free
-        self.draft = draft_server.DraftServicer.load(
+        self.draft = draft_dir and draft_server.DraftServicer.load(
             EngineConfig(draft_dir, dtype=dtype, quantize=draft_quantize), "draft"
         )
         self.target = target_server.TargetServicer.load(
             EngineConfig(target_dir, dtype=dtype, quantize=target_quantize), "target"
         )
-        self.draft_engine, self.target_engine = self.draft.engine, self.target.engine
+        self.draft_engine, self.target_engine = self.draft and self.draft.engine, self.target.engine
         self.model = load_model_info(target_dir)
         self.limits = limits
         self.loop = asyncio.new_event_loop()
@@ -72,11 +72,14 @@ class Cluster:
     async def _start(self) -> dict[str, int]:
         self.servers = []
         ports = {}
-        for role, register in (("draft", draft_server.register(self.draft)), ("target", target_server.register(self.target))):
-            server, ports[role] = await start_server(register, "127.0.0.1:0")
-            self.servers.append(server)
+        roles = (("draft", self.draft and draft_server.register(self.draft)),
+                 ("target", target_server.register(self.target)))
+        for role, register in roles:
+            if register:
+                server, ports[role] = await start_server(register, "127.0.0.1:0")
+                self.servers.append(server)
         self.services = Services(
-            GrpcDrafter([f"127.0.0.1:{ports['draft']}"]),
+            GrpcDrafter([f"127.0.0.1:{ports['draft']}"]) if self.draft else None,
             GrpcVerifier([f"127.0.0.1:{ports['target']}"]),
             RedisSessionStore(self.redis_url),
             model_free=SuffixDrafter() if self.model_free else None,
@@ -107,12 +110,14 @@ class Cluster:
             await self.http.stop()
             for server in self.servers:
                 await server.stop(1.0)
-            await self.services.drafter.replicas.close()
+            if self.services.drafter:
+                await self.services.drafter.replicas.close()
             await self.services.verifier.replicas.close()
             await self.services.store.close()
 
         self._run(stop())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=10)
-        self.draft.close()
+        if self.draft:
+            self.draft.close()
         self.target.close()

@@ -89,6 +89,13 @@ def test_calibration_times_each_k_on_a_scratch_session_and_forgets_it():
     assert verifier.calls == 1 + calibration.SWEEPS * len(ks) and store.learned == prior
 
 
+def test_with_no_draft_model_calibration_times_plain_steps_only():
+    verifier, store = RowPricedVerifier(target_rule, warm_up_calls=0), FakeStore()
+    prior = asyncio.run(calibration.seed_prior(Services(None, verifier, store), decode, CONFIG))
+    assert dict(prior.estimates.verify_s) == {0: pytest.approx(0.4)} and prior.estimates.draft_step_s is None
+    assert verifier.calls == 1 + calibration.SWEEPS and len(verifier.released) == 1
+
+
 @pytest.fixture(scope="module")
 def cluster(tiny_pair, redis_url):
     c = Cluster(*tiny_pair, redis_url)

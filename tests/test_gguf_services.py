@@ -40,3 +40,23 @@ def test_greedy_speculation_is_plain_decoding_through_the_services(procs, redis_
         assert list(complete().token_ids) == plain  # adaptive K
         accepted += fixed.stats.accepted_tokens
     assert accepted > 0  # verification rows decided tokens, not only plain steps
+
+
+def test_a_gguf_target_alone_drafts_from_the_tokens_at_hand_through_the_services(procs, redis_url, tmp_path):
+    """No draft model (`--draft-addr none`, what `specd up --draft-replicas 0` starts): the coordinator
+    drafts from text already seen, with calibration on, and the output is the target's own."""
+    target = write_tiny(tmp_path / "target.gguf", "llama", "Q6_K")
+    (service,) = procs(model_service("target", target, tmp_path))
+    (coord,) = procs(coordinator(target, "none", [service.address], redis_url, tmp_path))
+    prompt = "abcabcabcabcabcabcabcabcabcabc"
+
+    def complete(**fields) -> coordinator_pb2.CompleteResponse:
+        request = coordinator_pb2.GenerateRequest(text=prompt, max_tokens=N_TOKENS, ignore_eos=True, **fields)
+        return stub(coord).Complete(request, timeout=120)
+
+    plain = complete(speculation=False)
+    for drafter in ("auto", "ngram"):
+        reply = complete(drafter=drafter)
+        assert reply.token_ids == plain.token_ids, drafter
+        assert reply.stats.model_free_drafted_tokens == reply.stats.drafted_tokens and reply.stats.draft_compute_s == 0
+    assert complete(drafter="ngram").stats.drafted_tokens > 0

@@ -136,3 +136,20 @@ def _alone(rule, n: int) -> list[int]:
     for _ in range(n):
         seq.append(rule(seq))
     return seq[len(PROMPT):]
+
+
+def test_with_no_draft_model_the_tokens_at_hand_still_draft():
+    verifier = FakeVerifier(repeating)
+    records: list[RoundRecord] = []
+    services = Services(None, verifier, FakeStore(), model_free=SuffixDrafter())
+
+    async def collect(request):
+        return [e async for e in generate(request, "s", services, lambda ids: "", True, records.append, "alice")]
+
+    done = asyncio.run(collect(request()))[-1]
+    assert list(done.token_ids) == _alone(repeating, 40) and done.stats.model_free_accepted >= 30
+    assert {r.drafter for r in records} <= {hybrid.FREE, hybrid.NONE} and done.stats.draft_compute_s == 0
+    pinned = asyncio.run(collect(request(hybrid.FREE, k=2)))[-1]  # a pinned K caps the model-free draft
+    assert list(pinned.token_ids) == _alone(repeating, 40) and max(r.k for r in records[-pinned.stats.rounds:]) == 2
+    plain = asyncio.run(collect(request(hybrid.MODEL, k=3)))[-1]  # no draft model to ask: plain steps
+    assert plain.stats.drafted == 0 and list(plain.token_ids) == _alone(repeating, 40)

@@ -136,6 +136,15 @@ def test_specd_up_and_serve_ray_refuse_an_int8_target(capsys):
                            "target_quantize": "int8"})
 
 
+def test_specd_up_runs_without_a_draft_model_and_always_with_a_target(monkeypatch, capsys):
+    commands = up_commands(monkeypatch, "--draft-replicas", "0")
+    assert not [name for name in commands if name.startswith("draft")]
+    assert value(commands["coordinator"], "--draft-addr") == settings.NO_DRAFT
+    with pytest.raises(SystemExit):
+        cli.main(["up", "--target-replicas", "0"])
+    assert "target replicas must be >= 1" in capsys.readouterr().err
+
+
 def test_specd_up_passes_each_roles_quantize_with_the_defaults_in_one_place(monkeypatch):
     assert settings.QUANTIZE_MODES == numerics.MODES  # the torch-free copy
     assert model_main.parse("target", 1, ["--model-dir", "m"]).quantize == settings.SERVICE_QUANTIZE == "none"

@@ -322,6 +322,21 @@ def test_a_sampled_request_verifies_model_free_drafts_as_point_masses(stub):
     assert reply.stats.completion_tokens == N_TOKENS and reply.stats.model_free_drafted_tokens > 0
 
 
+def test_a_target_with_no_draft_model_drafts_from_the_tokens_at_hand(tiny_pair, redis_url):
+    c = Cluster(None, tiny_pair[1], redis_url)  # the coordinator's --draft-addr none
+    try:
+        with grpc.insecure_channel(c.address("coordinator")) as channel:
+            stub = c.coordinator(channel)
+            prompt = "abcabcabcabcabcabcabcabc"
+            plain = complete(stub, prompt, max_tokens=N_TOKENS, ignore_eos=True, speculation=False)
+            reply = complete(stub, prompt, max_tokens=N_TOKENS, ignore_eos=True)
+    finally:
+        c.close()
+    assert reply.token_ids == plain.token_ids and list(plain.token_ids) == greedy_reference(tiny_pair[1])(
+        c.model.encode(prompt), N_TOKENS)
+    assert reply.stats.model_free_drafted_tokens == reply.stats.drafted_tokens > 0 and reply.stats.draft_compute_s == 0
+
+
 def test_a_useless_draft_makes_the_session_fall_back(tmp_path, tiny_pair):
     """Another seed's draft knows nothing of this target: speculation stops, probes are rare.
     A Redis of its own: no policy learned by other tests' sessions to start from."""

@@ -65,6 +65,12 @@ def test_equal_or_unknown_digests_pass():
     check(Pool(info("a" * 64), ConnectionError("one replica down")), Pool(info("a" * 64)))
 
 
+def test_with_no_draft_model_only_the_target_replicas_are_compared():
+    check(None, Pool(info("a" * 64), info("a" * 64)))
+    with pytest.raises(VocabularyMismatch):
+        check(None, Pool(info("a" * 64, "t1"), info("c" * 64, "t2")))
+
+
 def test_it_waits_for_a_pool_that_comes_up_later():
     late = Pool(info("b" * 64), up_after=2)
     with pytest.raises(VocabularyMismatch):

@@ -30,6 +30,7 @@ def add(parser: argparse.ArgumentParser, flag: str, *, type=str, default=None, h
 # The weights a model service runs (specd/numerics.py's MODES; this module imports no torch):
 # every default in one place.
 QUANTIZE_MODES = ("none", "int8", "auto")
+NO_DRAFT = "none"  # the coordinator's --draft-addr for a deployment with no draft model
 SERVICE_QUANTIZE = "none"  # `python -m services.draft|target` and Ray's build_app: the checkpoint's weights
 # What `specd up` and `specd serve-ray` start each with: a GGUF file as stored, a Hugging Face
 # checkpoint's dense weights, each with its batch-invariance self-check (specd/numerics.py).

@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 
 
 async def serve(args: argparse.Namespace) -> None:
-    drafter = GrpcDrafter(args.draft_addr, tls=args.tls)
+    drafter = None if args.draft_addr == root.NO_DRAFT else GrpcDrafter(args.draft_addr, tls=args.tls)
     verifier = GrpcVerifier(args.target_addr, retry_s=args.target_wait_s, tls=args.tls)
     frontend = root.build(args, drafter, verifier)
     services = frontend.services
@@ -56,7 +56,8 @@ async def serve(args: argparse.Namespace) -> None:
         await frontend.auditor.close()
         if http:
             await http.stop()
-        await asyncio.gather(drafter.replicas.close(), verifier.replicas.close(), services.store.close())
+        await asyncio.gather(*([drafter.replicas.close()] if drafter else []), verifier.replicas.close(),
+                             services.store.close())
     if starting.done() and not starting.cancelled() and isinstance(starting.exception(), root.VocabularyMismatch):
         raise SystemExit(f"coordinator: {starting.exception()}")
 

@@ -142,7 +142,8 @@ class Frontend:
         stored = scoped(session_id, owner)
         with translated():
             await self.services.store.delete(stored)
-            await self.services.drafter.release(stored)
+            if self.services.drafter:
+                await self.services.drafter.release(stored)
             await self.services.verifier.release(stored)
             if self.quotas:
                 await self.quotas.forget_session(owner, stored)

@@ -31,6 +31,7 @@ from services.target import client as target_client
 
 DEFAULT_PORT = 50051
 POOL_HELP = "host:port[,host:port...], dns:///name:port (every address it resolves to, re-resolved) or file:///path"
+NO_DRAFT = settings.NO_DRAFT
 CALIBRATION_ATTEMPTS, CALIBRATION_RETRY_S = 24, 5.0  # two minutes for the model services to come up
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
                       "limits (a GGUF file's tokenizer from FILE.tokenizer.json beside it, when there)")
     settings.add(parser, "--host", default="127.0.0.1", help="address to bind")
     settings.add(parser, "--port", type=int, default=DEFAULT_PORT, help="gRPC port")
-    settings.add(parser, "--draft-addr", default="127.0.0.1:50052", help=f"the draft pool: {POOL_HELP}")
+    settings.add(parser, "--draft-addr", default="127.0.0.1:50052",
+                 help=f"the draft pool: {POOL_HELP}; {NO_DRAFT}: no draft model (only --model-free drafts)")
     settings.add(parser, "--target-addr", default="127.0.0.1:50053", help=f"the target pool: {POOL_HELP}")
     settings.add(parser, "--draft-timeout-s", type=float, default=DRAFT_TIMEOUT_S,
                  help="a proposal no draft replica answered within this decodes the round plainly, and the "
@@ -117,6 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _checked(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
     for flag in ("draft_addr", "target_addr"):
+        if flag == "draft_addr" and args.draft_addr == NO_DRAFT:
+            continue
         try:
             discovery.resolver(getattr(args, flag))
         except ValueError as error:
@@ -132,14 +136,14 @@ def _checked(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argpa
     return args
 
 
-def build(args: argparse.Namespace, drafter: Drafter, verifier: Verifier) -> Frontend:
+def build(args: argparse.Namespace, drafter: Drafter | None, verifier: Verifier) -> Frontend:
     """The frontend over these model-service clients, as the settings say."""
     limits = Limits(
         default_k=args.default_k, max_k=args.max_k, min_confidence=args.draft_confidence,
     )
     if args.inject_rtt_ms:
         rtt_s = args.inject_rtt_ms / 1e3
-        drafter, verifier = NetworkDelay(drafter, rtt_s), NetworkDelay(verifier, rtt_s)
+        drafter, verifier = drafter and NetworkDelay(drafter, rtt_s), NetworkDelay(verifier, rtt_s)
     password = args.redis_password_file.read_text().strip() if args.redis_password_file else None
     store = RedisSessionStore(args.redis_url, ttl_s=args.session_ttl_s, password=password)
     model_free = SuffixDrafter() if args.model_free == "on" else None
@@ -166,12 +170,12 @@ class VocabularyMismatch(RuntimeError):
     them would mean different text. The coordinator does not start."""
 
 
-async def check_vocabularies(drafter: Drafter, verifier: Verifier, attempts: int = CALIBRATION_ATTEMPTS,
+async def check_vocabularies(drafter: Drafter | None, verifier: Verifier, attempts: int = CALIBRATION_ATTEMPTS,
                              retry_s: float = CALIBRATION_RETRY_S) -> None:
     """Ask every replica of both pools what it runs (retrying while the pools come up) and raise
     VocabularyMismatch, naming the models, when their vocabulary digests differ. A replica with no
     digest (an HF directory's engine) is not compared; giving up waiting costs only the check."""
-    pools = {"draft": drafter, "target": verifier}
+    pools = {role: pool for role, pool in (("draft", drafter), ("target", verifier)) if pool is not None}
     answers: dict[str, list[EngineInfo]] = {}
     for attempt in range(attempts):
         for role, pool in pools.items():
