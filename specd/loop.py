@@ -17,7 +17,7 @@ import asyncio
 import hashlib
 import time
 from dataclasses import dataclass, field, replace
-from typing import AsyncIterator, Awaitable, Callable, Protocol, Sequence, TypeVar
+from typing import AsyncIterator, Awaitable, Callable, Sequence, TypeVar
 
 from opentelemetry import trace
 
@@ -36,28 +36,14 @@ from specd import model_free
 from specd.model_free import NO_DRAFT, Draft, SuffixDrafter
 from specd.outage import DraftOutage
 from specd.policy import PolicyConfig, PolicyState, RoundObservation, hybrid, inherit, next_k, observe
-from specd.session import Lease, ServiceCursor, SessionState, SessionStats, SessionStore, Turn
+from specd.protocols import Drafter, SessionStore, Verifier
+from specd.session import Lease, ServiceCursor, SessionState, SessionStats, Turn
 from specd.stopping import Decode, StopChecker, StopRules
 from specd.validation import validate_that
 
 EMPTY_PROPOSAL = Proposal((), ())
 T = TypeVar("T")
 tracer = trace.get_tracer(__name__)  # the vendor-neutral API: a no-op until a service installs a provider
-
-
-class Drafter(Protocol):
-    async def propose(self, request: ProposeRequest) -> DraftReply: ...
-
-    async def release(self, session_id: str) -> None: ...
-
-    async def probe(self) -> bool:
-        """Does some replica take calls now?"""
-
-
-class Verifier(Protocol):
-    async def verify(self, request: VerifyRequest) -> VerifyReply: ...
-
-    async def release(self, session_id: str) -> None: ...
 
 
 @dataclass(frozen=True)

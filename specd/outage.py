@@ -7,10 +7,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from specd.loop import Drafter
+from specd.protocols import Drafter
 
 DRAFT_TIMEOUT_S = 2.0  # a proposal slower than this counts as no draft replica answering
 DRAFT_PROBE_S = 0.5  # while none answers, ask the pool again this often

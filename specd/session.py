@@ -10,7 +10,6 @@ never both advance one session (the later `begin` fences the earlier writer out)
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from specd.policy import PolicyState
 
@@ -124,28 +123,3 @@ class SessionNotFound(KeyError):
 
 class Fenced(RuntimeError):
     """Another coordinator began serving this session; this writer must stop."""
-
-
-class SessionStore(Protocol):
-    async def begin(self, session_id: str, create: bool, owner: str = "") -> tuple[Lease, SessionState]:
-        """Take the session over (bump its epoch), in one step with checking that `owner` created it
-        (another's: SessionNotFound). Unknown id: a fresh state owned by `owner` if `create`, else
-        SessionNotFound."""
-        ...
-
-    async def save(self, lease: Lease, state: SessionState, appended_from: int) -> None:
-        """Atomically write `state` if the lease is current (else Fenced). `appended_from` is the committed
-        length the store already holds: only state.tokens[appended_from:] need be written."""
-        ...
-
-    async def delete(self, session_id: str) -> bool: ...
-
-    async def get(self, session_id: str) -> SessionState | None:
-        """Read without taking the session over (no epoch bump)."""
-        ...
-
-    async def prior(self) -> PolicyState | None:
-        """The policy a new session starts from: what the deployment learned last."""
-        ...
-
-    async def remember(self, policy: PolicyState) -> None: ...

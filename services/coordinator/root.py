@@ -13,7 +13,8 @@ from pathlib import Path
 
 from specd import audit
 from specd.contracts import EngineInfo
-from specd.loop import Drafter, Services, Verifier
+from specd.loop import Services
+from specd.protocols import Drafter, Verifier
 from specd.model_free import SuffixDrafter
 from specd.outage import DRAFT_TIMEOUT_S, DraftOutage
 from specd.policy import PolicyConfig

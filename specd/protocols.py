@@ -1,0 +1,52 @@
+"""The decoding loop's ports: what it needs of a draft pool, a target pool and a session store.
+gRPC clients, Ray handles and the Redis store implement them in production, scripted fakes in tests;
+they live apart from the loop so that those modules, and the loop's helpers, import them without
+importing the loop."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from specd.contracts import DraftReply, ProposeRequest, VerifyReply, VerifyRequest
+from specd.policy import PolicyState
+from specd.session import Lease, SessionState
+
+
+class Drafter(Protocol):
+    async def propose(self, request: ProposeRequest) -> DraftReply: ...
+
+    async def release(self, session_id: str) -> None: ...
+
+    async def probe(self) -> bool:
+        """Does some replica take calls now?"""
+
+
+class Verifier(Protocol):
+    async def verify(self, request: VerifyRequest) -> VerifyReply: ...
+
+    async def release(self, session_id: str) -> None: ...
+
+
+class SessionStore(Protocol):
+    async def begin(self, session_id: str, create: bool, owner: str = "") -> tuple[Lease, SessionState]:
+        """Take the session over (bump its epoch), in one step with checking that `owner` created it
+        (another's: SessionNotFound). Unknown id: a fresh state owned by `owner` if `create`, else
+        SessionNotFound."""
+        ...
+
+    async def save(self, lease: Lease, state: SessionState, appended_from: int) -> None:
+        """Atomically write `state` if the lease is current (else Fenced). `appended_from` is the committed
+        length the store already holds: only state.tokens[appended_from:] need be written."""
+        ...
+
+    async def delete(self, session_id: str) -> bool: ...
+
+    async def get(self, session_id: str) -> SessionState | None:
+        """Read without taking the session over (no epoch bump)."""
+        ...
+
+    async def prior(self) -> PolicyState | None:
+        """The policy a new session starts from: what the deployment learned last."""
+        ...
+
+    async def remember(self, policy: PolicyState) -> None: ...
