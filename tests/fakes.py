@@ -43,10 +43,10 @@ def draft_rule(agreement_every: int) -> NextToken:
     return rule
 
 
-def target_alone(prompt: Sequence[int], n: int) -> list[int]:
+def target_alone(prompt: Sequence[int], n: int, rule: NextToken = target_rule) -> list[int]:
     seq = list(prompt)
     for _ in range(n):
-        seq.append(target_rule(seq))
+        seq.append(rule(seq))
     return seq[len(prompt) :]
 
 

@@ -90,7 +90,7 @@ def test_a_repeating_text_is_drafted_without_the_draft_model_and_the_output_is_t
     drafter, verifier = FakeDrafter(useless), FakeVerifier(repeating)
     records: list[RoundRecord] = []
     done = run(request(), drafter, verifier, SuffixDrafter(), records=records)
-    assert list(done.token_ids) == _alone(repeating, 40)
+    assert list(done.token_ids) == target_alone(PROMPT, 40, repeating)
     assert done.stats.model_free_accepted >= 30 and done.stats.model_free_drafted >= done.stats.model_free_accepted
     assert verifier.calls < 12  # 40 tokens in long accepted runs
     assert {r.drafter for r in records} >= {hybrid.FREE}
@@ -101,7 +101,7 @@ def test_a_request_names_its_drafter(who):
     drafter, verifier = FakeDrafter(target_rule), FakeVerifier(repeating)
     records: list[RoundRecord] = []
     done = run(request(who, max_tokens=24), drafter, verifier, SuffixDrafter(), records=records)
-    assert list(done.token_ids) == _alone(repeating, 24)
+    assert list(done.token_ids) == target_alone(PROMPT, 24, repeating)
     used = {r.drafter for r in records} - {hybrid.NONE}
     assert used <= ({who} - {hybrid.NONE})
     assert (drafter.calls > 0) == (who == hybrid.MODEL)
@@ -117,7 +117,7 @@ def test_a_pinned_k_caps_the_model_free_draft():
 def test_an_owner_drafts_from_its_earlier_outputs_and_no_one_else_does():
     free = SuffixDrafter()
     first = run(request(max_tokens=30), FakeDrafter(useless), FakeVerifier(counting), free, "a", "alice")
-    assert list(first.token_ids) == _alone(counting, 30) and first.stats.model_free_drafted == 0
+    assert list(first.token_ids) == target_alone(PROMPT, 30, counting) and first.stats.model_free_drafted == 0
     again = run(request(max_tokens=30), FakeDrafter(useless), FakeVerifier(counting), free, "b", "alice")
     other = run(request(max_tokens=30), FakeDrafter(useless), FakeVerifier(counting), free, "c", "bob")
     assert again.token_ids == other.token_ids == first.token_ids
@@ -131,12 +131,6 @@ def test_without_a_model_free_drafter_the_loop_is_as_it_was():
     assert list(done.token_ids) == target_alone(PROMPT, 40) and done.stats.model_free_drafted == 0
 
 
-def _alone(rule, n: int) -> list[int]:
-    seq = list(PROMPT)
-    for _ in range(n):
-        seq.append(rule(seq))
-    return seq[len(PROMPT):]
-
 
 def test_with_no_draft_model_the_tokens_at_hand_still_draft():
     verifier = FakeVerifier(repeating)
@@ -147,9 +141,9 @@ def test_with_no_draft_model_the_tokens_at_hand_still_draft():
         return [e async for e in generate(request, "s", services, lambda ids: "", True, records.append, "alice")]
 
     done = asyncio.run(collect(request()))[-1]
-    assert list(done.token_ids) == _alone(repeating, 40) and done.stats.model_free_accepted >= 30
+    assert list(done.token_ids) == target_alone(PROMPT, 40, repeating) and done.stats.model_free_accepted >= 30
     assert {r.drafter for r in records} <= {hybrid.FREE, hybrid.NONE} and done.stats.draft_compute_s == 0
     pinned = asyncio.run(collect(request(hybrid.FREE, k=2)))[-1]  # a pinned K caps the model-free draft
-    assert list(pinned.token_ids) == _alone(repeating, 40) and max(r.k for r in records[-pinned.stats.rounds:]) == 2
+    assert list(pinned.token_ids) == target_alone(PROMPT, 40, repeating) and max(r.k for r in records[-pinned.stats.rounds:]) == 2
     plain = asyncio.run(collect(request(hybrid.MODEL, k=3)))[-1]  # no draft model to ask: plain steps
-    assert plain.stats.drafted == 0 and list(plain.token_ids) == _alone(repeating, 40)
+    assert plain.stats.drafted == 0 and list(plain.token_ids) == target_alone(PROMPT, 40, repeating)
