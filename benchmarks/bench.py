@@ -58,7 +58,7 @@ from transformers.generation.streamers import BaseStreamer
 from benchmarks import common, llama_server
 from benchmarks.common import machine, rss_bytes, specd_up, write
 from benchmarks.summary import (
-    HF_ASSISTED, HF_PLAIN, LLAMA_PLAIN, LLAMA_SPEC, PLAIN, Measured, class_summary, goals, plot, rounded,
+    HF_ASSISTED, HF_PLAIN, LLAMA_NGRAM, LLAMA_PLAIN, LLAMA_SPEC, PLAIN, Measured, class_summary, goals, plot, rounded,
     STAT_FIELDS, service_configs,
 )
 from services.coordinator.model_info import load_model_info
@@ -89,7 +89,8 @@ class BenchConfig:
     draft_dir: Path | None = None  # None: the fetched pair (`specd models fetch`)
     target_dir: Path | None = None
     hf: bool = True
-    llama_server: Path | None = None  # llama.cpp's llama-server binary: its plain and speculative runs too
+    llama_server: Path | None = None  # llama.cpp's llama-server binary: its plain, speculative and n-gram runs too
+    draft_model: bool = True  # False: the target alone (`specd up --draft-replicas 0`), the model-free drafter's
     threads: int = os.cpu_count() or 1  # llama-server's threads (specd's are its services' own settings)
     prompts: Path = PROMPTS
     name: str = "bench"  # benchmarks/results/<name>.json and plots
@@ -230,7 +231,7 @@ def service_runs(stub, cfg: BenchConfig, prompts: list[Prompt], bar, peers: dict
     for prompt in prompts * cfg.repeats:
         if prompt.name not in probes:
             probes[prompt.name] = prefill_probes(stub, prompt)
-        for config, fields in service_configs(cfg.ks).items():
+        for config, fields in service_configs(cfg.ks, cfg.draft_model).items():
             bar.set_description(f"{config} {prompt.name}")
             runs.append(stream(stub, config, prompt, cfg.tokens, **fields))
             bar.update()
@@ -303,14 +304,16 @@ def coordinator(cfg: BenchConfig, draft_dir: Path, target_dir: Path) -> Iterator
 
 @contextmanager
 def peers(cfg: BenchConfig) -> Iterator[dict[str, llama_server.Server]]:
-    """llama-server plain and speculative on the pair's GGUF files, when the bench has a binary."""
+    """llama-server plain, speculative (the draft model) and n-gram on the pair's GGUF files, when the
+    bench has a binary."""
     if cfg.llama_server is None:
         yield {}
         return
     target_gguf, draft_gguf = gguf_files()
     with llama_server.serve(cfg.llama_server, target_gguf, cfg.threads) as plain, \
-            llama_server.serve(cfg.llama_server, target_gguf, cfg.threads, draft_gguf=draft_gguf) as speculative:
-        yield {LLAMA_PLAIN: plain, LLAMA_SPEC: speculative}
+            llama_server.serve(cfg.llama_server, target_gguf, cfg.threads, draft_gguf=draft_gguf) as speculative, \
+            llama_server.serve(cfg.llama_server, target_gguf, cfg.threads, spec_args=llama_server.NGRAM_ARGS) as ngram:
+        yield {LLAMA_PLAIN: plain, LLAMA_SPEC: speculative, LLAMA_NGRAM: ngram}
 
 
 def gguf_files() -> tuple[Path, Path]:
@@ -321,11 +324,11 @@ def gguf_files() -> tuple[Path, Path]:
 # --- losslessness --------------------------------------------------------------------------
 
 
-def peer_lossless(runs: list[Measured]) -> dict[str, bool]:
-    """Per prompt: llama-server's speculative greedy text equals its own plain text (its kernels are
-    not batch-invariant: this is a measurement, not a check specd's runs must pass)."""
+def peer_lossless(runs: list[Measured], config: str = LLAMA_SPEC) -> dict[str, bool]:
+    """Per prompt: llama-server's speculative greedy text (`config`) equals its own plain text (its kernels
+    are not batch-invariant: this is a measurement, not a check specd's runs must pass)."""
     plain = {r.prompt: r.output for r in runs if r.config == LLAMA_PLAIN}
-    return {r.prompt: r.output == plain[r.prompt] for r in runs if r.config == LLAMA_SPEC}
+    return {r.prompt: r.output == plain[r.prompt] for r in runs if r.config == config}
 
 
 def mismatches(reference: dict[str, tuple[int, ...]], runs: list[Measured]) -> list[str]:
@@ -353,7 +356,7 @@ def run(cfg: BenchConfig) -> dict:
     started = time.perf_counter()
     draft_dir, target_dir = _model_dirs(cfg)
     prompts = load_prompts(target_dir, cfg.prompts_per_class, cfg.prompts)
-    per_prompt = len(service_configs(cfg.ks)) + 2 * cfg.hf + 2 * (cfg.llama_server is not None)
+    per_prompt = len(service_configs(cfg.ks, cfg.draft_model)) + 2 * cfg.hf + 3 * (cfg.llama_server is not None)
     total = cfg.repeats * len(prompts) * per_prompt + 2 * cfg.concurrency
     with tqdm(total=total, unit="req", disable=not cfg.progress) as bar:
         hf = hf_runs(cfg, prompts, draft_dir, target_dir, bar) if cfg.hf else []
@@ -381,7 +384,7 @@ def _result(cfg, prompts, runs, probes, scaling, duration_s, rss) -> dict:
     # not Hugging Face's float32, which the HF configurations run.
     reference = {r.prompt: r.output for r in runs if r.config == PLAIN}
     hf_reference = {r.prompt: r.output for r in runs if r.config == HF_PLAIN}
-    others = (LLAMA_PLAIN, LLAMA_SPEC, HF_PLAIN, HF_ASSISTED)
+    others = (LLAMA_PLAIN, LLAMA_SPEC, LLAMA_NGRAM, HF_PLAIN, HF_ASSISTED)
     ours = [r for r in runs + (scaling["runs"] if scaling else []) if r.config not in others]
     hf_assisted = [r for r in runs if r.config == HF_ASSISTED]
     classes = {kind: class_summary(kind, runs, probes, cfg.ks) for kind in dict.fromkeys(p.kind for p in prompts)}
@@ -396,7 +399,8 @@ def _result(cfg, prompts, runs, probes, scaling, duration_s, rss) -> dict:
             "threads": {role: _flag(cfg.up_flags, f"--{role}-threads") or f"torch default ({os.cpu_count()} cores)"
                         for role in ("draft", "target")},
             "llama_server": cfg.llama_server and f"{cfg.llama_server} -t {cfg.threads} (plain; speculative adds "
-                                                 f"--spec-type draft-simple -md DRAFT --spec-draft-n-max {llama_server.SPEC_DRAFT_MAX})",
+                                                 f"--spec-type draft-simple -md DRAFT --spec-draft-n-max {llama_server.SPEC_DRAFT_MAX}"
+                                                 f"; n-gram adds {' '.join(llama_server.NGRAM_ARGS)})",
             "hf_assisted": "transformers generate(assistant_model=draft, do_sample=False), default "
                            "num_assistant_tokens=20, schedule constant, assistant_confidence_threshold=0.4; "
                            "the same files read by transformers (float32 target, dequantised; int8 draft)",
@@ -404,7 +408,8 @@ def _result(cfg, prompts, runs, probes, scaling, duration_s, rss) -> dict:
         "duration_s": round(duration_s, 1),
         "lossless": {"checked": len(ours) + len(hf_assisted),
                      "mismatches": mismatches(reference, ours) + mismatches(hf_reference, hf_assisted),
-                     "llama_spec_equals_its_plain": peer_lossless(runs)},
+                     "llama_spec_equals_its_plain": peer_lossless(runs),
+                     "llama_ngram_equals_its_plain": peer_lossless(runs, LLAMA_NGRAM)},
         "rss_gb": rss,
         "classes": classes,
         "concurrency": scaling and {k: v for k, v in scaling.items() if k != "runs"},
@@ -437,15 +442,21 @@ def _positive(value: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from benchmarks import quality
+    from benchmarks import quality, round_parts
 
-    if "--quality" in (sys.argv[1:] if argv is None else argv):  # perplexity and agreement: benchmarks/quality.py
-        return quality.main(sys.argv[1:] if argv is None else list(argv))
+    args = sys.argv[1:] if argv is None else list(argv)
+    if "--quality" in args:  # perplexity and agreement: benchmarks/quality.py
+        return quality.main(args)
+    if "--round-parts" in args:  # where a round's time goes: benchmarks/round_parts.py
+        return round_parts.main(args)
     parser = argparse.ArgumentParser(prog="specd bench", description=__doc__.splitlines()[0])
     # Handed over above, before this parser reads anything: listed so that `specd bench -h` tells of it.
     summary = quality.__doc__.splitlines()[0].removeprefix("specd bench --quality: ")
     parser.add_argument("--quality", action="store_true",
                         help=f"run benchmarks/quality.py instead: {summary} Its flags: --quality -h")
+    parser.add_argument("--round-parts", action="store_true",
+                        help="run benchmarks/round_parts.py instead: where a round's time goes (target pass, "
+                             "queue, RPC, save, coordinator, delivery). Its flags: --round-parts -h")
     parser.add_argument("--tokens", type=int, default=64, help="new tokens per request")
     parser.add_argument("--ks", default="1,2,4,8", help="fixed K values to compare (1..8)")
     parser.add_argument("--prompts-per-class", type=int, default=1, help="of benchmarks/prompts.json")
@@ -471,14 +482,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--llama-server", type=Path, help="llama.cpp's llama-server binary (../shared/tools/"
                         "build-llama-server): run it plain and speculative on the same GGUF files, side by side")
     parser.add_argument("--prompts", type=Path, default=PROMPTS, help="prompt set (benchmarks/prompts.json; "
-                        "held out: benchmarks/prompts_heldout.json)")
+                        "held out: benchmarks/prompts_heldout.json; output that repeats its context: "
+                        "benchmarks/prompts_repeat.json, held out: prompts_repeat_heldout.json)")
+    parser.add_argument("--target-alone", action="store_true", help="no draft model (specd up --draft-replicas 0): "
+                        "plain and adaptive, whose drafts are the model-free drafter's")
     args = parser.parse_args(argv)
     up_flags = ("--core-turns", args.core_turns, "--audit-rate", args.audit_rate) + tuple(
         ("--draft-confidence", args.draft_confidence) if args.draft_confidence is not None else ()
     ) + tuple(
         arg for role in ("draft", "target") if getattr(args, f"{role}_quantize")
         for arg in (f"--{role}-quantize", getattr(args, f"{role}_quantize"))
-    ) + tuple(
+    ) + (("--draft-replicas", "0") if args.target_alone else ()) + tuple(
         arg for role in ("draft", "target") if getattr(args, f"{role}_threads")
         for arg in (f"--{role}-threads", str(getattr(args, f"{role}_threads")))
     )
@@ -487,6 +501,7 @@ def main(argv: list[str] | None = None) -> int:
         concurrency=args.concurrency, repeats=args.repeats, address=args.address, up_flags=up_flags,
         draft_dir=args.draft_model, target_dir=args.target_model, hf=not args.no_hf, name=args.name,
         llama_server=args.llama_server, threads=args.target_threads or os.cpu_count() or 1, prompts=args.prompts,
+        draft_model=not args.target_alone,
     )
     result = run(cfg)
     print(json.dumps({k: result[k] for k in ("duration_s", "lossless", "concurrency", "goals")}, indent=2))

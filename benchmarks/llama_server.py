@@ -23,6 +23,9 @@ from typing import IO, Iterator, Sequence
 from services.common.redis_server import free_port
 
 SPEC_DRAFT_MAX = 8  # --spec-draft-n-max, as the issue's measurement ran it
+# Its n-gram speculation as llama.cpp's docs/speculative.md shows it: the latest earlier match of the
+# last 12 tokens in the request's own context, drafting up to 48 of the tokens that followed it.
+NGRAM_ARGS = ("--spec-type", "ngram-simple", "--spec-draft-n-max", "64")
 
 
 @dataclass(frozen=True)
@@ -33,17 +36,19 @@ class Server:
 
 @contextmanager
 def serve(binary: Path, gguf: Path, threads: int, draft_gguf: Path | None = None, parallel: int = 1,
-          context: int = 4096, timeout_s: float = 300, swa_full: bool = False) -> Iterator[Server]:
+          context: int = 4096, timeout_s: float = 300, swa_full: bool = False,
+          spec_args: tuple[str, ...] = ()) -> Iterator[Server]:
     """A llama-server on 127.0.0.1 with `parallel` slots of `context` tokens each, until the block ends.
     `swa_full`: a sliding-window model keeps its whole cache, so that a prompt one token longer than the
-    last is one token's work (benchmarks/quality.py asks thousands of such prompts)."""
+    last is one token's work (benchmarks/quality.py asks thousands of such prompts). `spec_args`: a
+    model-free speculation's flags (NGRAM_ARGS)."""
     port = free_port()
     command = [str(binary), "-m", str(gguf), "-t", str(threads), "-tb", str(threads), "--host", "127.0.0.1",
                "--port", str(port), "-c", str(context * parallel), "-np", str(parallel), "--no-webui"]
     if draft_gguf is not None:
         command += ["--spec-type", "draft-simple", "-md", str(draft_gguf), "--spec-draft-n-max", str(SPEC_DRAFT_MAX),
                     "-td", str(threads), "-tbd", str(threads)]
-    command += ["--swa-full"] if swa_full else []
+    command += [*spec_args, *(["--swa-full"] if swa_full else [])]
     # Its log goes to a file: a pipe nobody reads fills (64 KiB) and stalls llama-server on a long run.
     with tempfile.TemporaryFile() as log:
         proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log)

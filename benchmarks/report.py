@@ -36,13 +36,18 @@ def load(results: Path, name: str) -> dict:
 
 # -- specd against llama-server (specd bench --llama-server) ------------------------------------
 
+LABELS = {"plain": ("specd plain (speculation off)", True), "adaptive": ("specd adaptive", True),
+          "adaptive_model": ("specd adaptive, draft model only", False),
+          "llama_plain": ("llama-server plain", True), "llama_spec": ("llama-server speculative", False),
+          "llama_ngram": ("llama-server n-gram", False)}
+
+
 def _configs(run: dict) -> list[tuple[str, str, bool]]:
-    """(key, label, with TTFT) of each configuration, in the table's order."""
-    fixed = [(f"K={k}", f"specd K = {k}", False) for k in run["settings"]["ks"]]
-    model_only = [("adaptive_model", "specd adaptive, draft model only", False)]
-    return [("plain", "specd plain (speculation off)", True), *fixed, ("adaptive", "specd adaptive", True),
-            *(model_only if "adaptive_model" in run["classes"]["code"]["configs"] else []),
-            ("llama_plain", "llama-server plain", True), ("llama_spec", "llama-server speculative", False)]
+    """(key, label, with TTFT) of each configuration the run has, in the table's order."""
+    ran = next(iter(run["classes"].values()))["configs"]
+    fixed = [f"K={k}" for k in run["settings"]["ks"]]
+    order = ["plain", *fixed, "adaptive", "adaptive_model", "llama_plain", "llama_spec", "llama_ngram"]
+    return [(key, *LABELS.get(key, (f"specd K = {key[2:]}", False))) for key in order if key in ran]
 
 
 def _cell(config: dict, ttft: bool) -> str:
@@ -54,10 +59,14 @@ def _lossless(run: dict) -> str:
     checked, wrong = lossless["checked"], len(lossless["mismatches"])
     specd = (f"specd's {checked} outputs all equal its own plain decoding" if not wrong
              else f"{wrong} of specd's {checked} outputs differ from its own plain decoding")
-    same = lossless["llama_spec_equals_its_plain"]
-    differ = [prompt for prompt, equal in same.items() if not equal]
-    return para(f"{specd}; llama-server's speculative text differed from its own plain text on "
-                f"{len(differ)} of {len(same)} prompts ({', '.join(differ) or 'none'}).")
+    peers = []
+    for key, what in (("llama_spec_equals_its_plain", "speculative"), ("llama_ngram_equals_its_plain", "n-gram")):
+        same = lossless.get(key, {})
+        differ = [prompt for prompt, equal in same.items() if not equal]
+        if same:
+            peers.append(f"llama-server's {what} text differed from its own plain text on {len(differ)} of "
+                         f"{len(same)} prompts ({', '.join(differ) or 'none'})")
+    return para("; ".join([specd, *peers]) + ".")
 
 
 def _rss(run: dict) -> str:
@@ -65,7 +74,8 @@ def _rss(run: dict) -> str:
     total = rss["draft"] + rss["target"] + rss["coordinator"]
     return para(f"Memory (RSS): specd {total:.2f} GB (draft {rss['draft']:.2f}, target {rss['target']:.2f}, "
                 f"coordinator {rss['coordinator']:.2f}); llama-server {rss['llama_plain']:.2f} plain, "
-                f"{rss['llama_spec']:.2f} speculative.")
+                f"{rss['llama_spec']:.2f} speculative"
+                + (f", {rss['llama_ngram']:.2f} n-gram." if "llama_ngram" in rss else "."))
 
 
 def _concurrency(run: dict) -> str:
@@ -82,15 +92,21 @@ def llama(name: str) -> Callable[[Path], str]:
     def render(results: Path) -> str:
         run = load(results, name)
         prompts = list(run["settings"]["prompts"].values())
-        counts = ", ".join(f"{prompts.count(c)} {c}" for c in CLASSES)
         classes = run["classes"]
-        rows = [[label, *(_cell(classes[c]["configs"][key], ttft) for c in CLASSES)]
+        counts = ", ".join(f"{prompts.count(c)} {c}" for c in classes)
+        rows = [[label, *(_cell(classes[c]["configs"][key], ttft) for c in classes)]
                 for key, label, ttft in _configs(run)]
-        alphas = [f"{classes[c]['configs']['adaptive']['alpha']:.2f}" for c in CLASSES]
+        alphas = [f"{classes[c]['configs']['adaptive']['alpha']:.2f}" for c in classes]
         rows.append(["acceptance α (adaptive)", *alphas])
-        head = para(f"`results/{name}.json`: prompts {counts}; {run['settings']['tokens']} new tokens; "
-                    f"every configuration {run['settings']['repeats']}×; {run['duration_s'] / 60:.1f} min.") + "\n"
-        parts = [table(["tok/s (TTFT s)", *CLASSES], rows), _concurrency(run), _lossless(run), _rss(run)]
+        if any(classes[c]["configs"]["adaptive"].get("model_free_share") is not None for c in classes):
+            rows.append(["drafted from the tokens at hand (adaptive)",
+                         *(f"{classes[c]['configs']['adaptive'].get('model_free_share', 0) * 100:.0f} %" for c in classes)])
+        services = run["settings"]["services"]
+        deployment = " (the target alone: `--draft-replicas 0`)" if "--draft-replicas 0" in services else ""
+        head = para(f"`results/{name}.json`{deployment}: prompts {counts}; {run['settings']['tokens']} new tokens; "
+                    f"every configuration {run['settings']['repeats']}×; {run['machine']['cpu']}; "
+                    f"{run['duration_s'] / 60:.1f} min.") + "\n"
+        parts = [table(["tok/s (TTFT s)", *classes], rows), _concurrency(run), _lossless(run), _rss(run)]
         return head + "\n".join(part for part in parts if part)
     return render
 

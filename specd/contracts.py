@@ -142,6 +142,7 @@ class VerifyReply:
     compute_s: float = 0.0  # the pass's model time
     queued_s: float = 0.0  # waited for the model before the pass began: load, not the network
     batch_size: int = 1  # sessions whose verifications shared the pass that compute_s timed
+    pass_rows: int = 0  # positions that pass fed, every session's (0: not reported)
 
 
 @dataclass(frozen=True)

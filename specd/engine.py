@@ -87,6 +87,7 @@ class ModelEngine:
         self._thread = threading.get_ident()  # the one thread that runs the model
         self.evictions = 0
         self._sessions: OrderedDict[str, _Session] = OrderedDict()  # least recently used first
+        self.last_pass_rows = 0  # positions the latest forward_many fed, every session's (what its time paid for)
 
     def _load_gguf(self, config: EngineConfig) -> None:
         """The file's weights as stored, run by specd's decoder (specd/gguf_model.py)."""
@@ -231,6 +232,7 @@ class ModelEngine:
         prepared = [self._prepare(session_id, extra, refeed=not newest_only) for session_id, extra in requests]
         sessions = [session for session, _ in prepared]
         keep = [1 if newest_only else len(extra) + 1 for _, extra in requests]
+        self.last_pass_rows = sum(len(new) for _, new in prepared)
         try:
             logits = self._ragged_forward([s.cache for s in sessions], [new for _, new in prepared], keep)
         except BaseException:

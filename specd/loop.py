@@ -205,14 +205,16 @@ async def run_round(turn: _Turn, progress: _Progress) -> RoundResult:
         stats = progress.stats + SessionStats().record(
             k, a, policy.fallbacks - state.policy.fallbacks, resyncs, observation.draft_s, observation.verify_s,
             outage_rounds=int(outage), model_free=source == hybrid.FREE,
-        )
+        ) + _call_times(drafting, verifying)
         span.set_attributes(_round_attributes(progress.stats.rounds, observation, len(committed), policy.mode, source))
         state = replace(state, tokens=committed, draft=draft, target=target, policy=policy,
                         stats=turn.session_stats + stats)
         # 6. persist (fenced: fails if another coordinator took the session over), then emit
+        saving = time.perf_counter()
         await services.store.save(turn.lease, state, appended_from=progress.stored)
-        # The round's wall time includes its own save, so it reaches the store with the next one.
-        stats += SessionStats(round_wall_s=time.perf_counter() - start)
+        # The round's wall time includes its own save, so they reach the store with the next one.
+        done = time.perf_counter()
+        stats += SessionStats(round_wall_s=done - start, save_s=done - saving)
     record = RoundRecord(k, a, len(committed), drafting and drafting.reply.position, verifying.reply.position,
                          policy.mode, observation, source)
     progress = _Progress(replace(state, stats=turn.session_stats + stats), len(committed), stats)
@@ -355,6 +357,12 @@ class _Called:
         return max(0.0, self.wall_s - self.reply.compute_s - self.reply.queued_s)
 
 
+def _call_times(drafting: _Called | None, verifying: _Called) -> SessionStats:
+    """The round's calls as the coordinator timed them (a round's parts: benchmarks/round_parts.py)."""
+    return SessionStats(draft_wall_s=drafting.wall_s if drafting else 0.0, verify_wall_s=verifying.wall_s,
+                        verify_queued_s=verifying.reply.queued_s)
+
+
 def _observation(k: int, accepted: int, drafting: _Called | None, verifying: _Called) -> RoundObservation:
     calls = [verifying] + ([drafting] if drafting else [])
     return RoundObservation(
@@ -366,6 +374,8 @@ def _observation(k: int, accepted: int, drafting: _Called | None, verifying: _Ca
         draft_cold=bool(drafting and drafting.cold),
         target_cold=verifying.cold,
         target_shared=verifying.reply.batch_size > 1,
+        batch_size=verifying.reply.batch_size,
+        pass_rows=verifying.reply.pass_rows,
     )
 
 

@@ -40,6 +40,12 @@ class SessionStats:
     outage_rounds: int = 0  # plain rounds because no draft replica answered (specd/loop.py: DraftOutage)
     model_free_drafted: int = 0  # of `drafted`, drafted by the model-free drafter (specd/model_free.py)
     model_free_accepted: int = 0  # of `accepted`, those
+    # A round's parts (benchmarks/round_parts.py): the calls' wall times as the coordinator saw them,
+    # the target's time queued behind other work, and the store's save.
+    draft_wall_s: float = 0.0
+    verify_wall_s: float = 0.0
+    verify_queued_s: float = 0.0
+    save_s: float = 0.0
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -80,6 +86,10 @@ class SessionStats:
             self.outage_rounds + other.outage_rounds,
             self.model_free_drafted + other.model_free_drafted,
             self.model_free_accepted + other.model_free_accepted,
+            self.draft_wall_s + other.draft_wall_s,
+            self.verify_wall_s + other.verify_wall_s,
+            self.verify_queued_s + other.verify_queued_s,
+            self.save_s + other.save_s,
         )
 
 

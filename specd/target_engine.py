@@ -28,11 +28,14 @@ class TargetEngine(RoleEngine):
     def verify(self, requests: Sequence[VerifyRequest]) -> list[VerifyReply | Exception]:
         """Score every session's drafts in ONE target forward, decide each session alone, and leave
         each at its new committed length. Sessions may differ in length, K and params; each is
-        synced and checked alone first. compute_s is the batch's time, shared by batch_size."""
+        synced and checked alone first. compute_s is the batch's time, shared by batch_size, for the
+        pass_rows positions it fed."""
         start = time.perf_counter()
         replies = checked_then_together(requests, self._check, self._verify_together)
         compute_s = time.perf_counter() - start
-        return [r if isinstance(r, Exception) else replace(r, compute_s=compute_s, batch_size=len(requests))
+        rows = self.engine.last_pass_rows
+        return [r if isinstance(r, Exception) else replace(r, compute_s=compute_s, batch_size=len(requests),
+                                                           pass_rows=rows)
                 for r in replies]
 
     def _check(self, request: VerifyRequest) -> tuple[VerifyRequest, torch.Tensor | None]:

@@ -56,9 +56,12 @@ def test_verify_batch_decides_what_one_session_at_a_time_decides(tiny_pair, para
         proposals = {str(s): propose(draft, str(s), (s + round_) % 5, params) for s in range(len(PROMPTS))}
         expected = {s: verify_proposal(alone, s, p, params) for s, p in proposals.items()}
         requests = [VerifyRequest(s, held(batched, s), p, params) for s, p in proposals.items()]
+        # What the pass fed: the prompts the first time, then each session's last token and its drafts.
+        fed = sum(len(p) for p in PROMPTS) if round_ == 0 else len(PROMPTS)
         for request, reply in zip(requests, TargetEngine(batched).verify(requests)):
             assert reply.verdict == expected[request.session_id]
             assert reply.batch_size == len(requests)
+            assert reply.pass_rows == fed + sum(len(p.tokens) for p in proposals.values())
             assert batched.tokens(request.session_id) == alone.tokens(request.session_id)
             draft.sync(request.session_id, request.sync.end + reply.verdict.num_accepted, [reply.verdict.next_token])
 
@@ -359,6 +362,7 @@ def test_a_request_that_fails_in_a_batch_fails_alone(cluster):
         assert reply.verdict == expected[session]
         assert reply.queued_s >= HELD_S > reply.compute_s  # the wait is reported as queueing, not as the pass
         assert reply.batch_size == 4  # its compute_s timed the others' rows too
+        assert reply.pass_rows == 2 * len(prompt) + 2  # over the wire: both prompts and two drafts, not the failed
         assert reply.position == target.position(session) == len(prompt) + reply.verdict.num_accepted + 1
         assert target.tokens(session)[len(prompt):] == (*calls[session][1][: reply.verdict.num_accepted],
                                                         reply.verdict.next_token)

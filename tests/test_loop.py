@@ -12,7 +12,7 @@ import pytest
 from specd.contracts import SamplingParams, VerifyReply
 from specd.loop import Chunk, Finished, GenerationRequest, RoundRecord, Services, generate
 from specd.outage import DraftOutage
-from specd.policy import PolicyConfig
+from specd.policy import Estimates, PolicyConfig, PolicyState
 from specd.session import Fenced
 from specd.stopping import StopRules
 from specd.validation import InvalidParams
@@ -208,6 +208,37 @@ def test_a_verification_sharing_its_pass_is_not_priced_at_the_whole_pass(batch_s
     done = run(GenerationRequest(PROMPT, StopRules(60), SamplingParams()), drafter, LoadedVerifier(batch_size))[-1]
     assert list(done.token_ids) == target_alone(PROMPT, 60)
     assert (done.session.policy.fallbacks == 0) == (batch_size > 1)
+
+
+class BatchVerifier(FakeVerifier):
+    """Every pass also holds the other sessions of a batch, each drafting as this one does:
+    sessions·(K + 1) positions at the issue's AVX2 timings (43 ms, 13 ms each further position),
+    reported as such (batch_size, pass_rows)."""
+
+    def __init__(self, batch: int):
+        super().__init__(target_rule)
+        self.batch = batch
+
+    async def verify(self, request) -> VerifyReply:
+        reply = await super().verify(request)
+        rows = self.batch * (len(request.proposal.tokens) + 1)
+        return replace(reply, compute_s=0.043 + 0.013 * (rows - 1), batch_size=self.batch, pass_rows=rows)
+
+
+@pytest.mark.parametrize("sessions", [8, 1])
+def test_a_round_is_priced_by_the_batch_it_joins(sessions):
+    """A draft accepted 4 times in 5 pays alone; in passes of eight sessions its rows cost every
+    session's step, plain steps are faster, and the session falls back. Output is the target's."""
+    four_in_five = lambda prefix: target_rule(prefix) if len(prefix) % 5 else (target_rule(prefix) + 1) % 50  # noqa: E731
+    drafter = FakeDrafter(four_in_five, compute_s=0.014 * (1 + 0.1 * (sessions - 1)))
+    start = PolicyState(estimates=Estimates(draft_step_s=0.014, rtt_s=0.001,
+                                            verify_s=tuple((k, 0.043 + 0.013 * k) for k in range(17))))
+    store = FakeStore(learned=start)
+    done = run(GenerationRequest(PROMPT, StopRules(80), SamplingParams()), drafter, BatchVerifier(sessions),
+               store=store)[-1]
+    assert list(done.token_ids) == target_alone(PROMPT, 80)
+    assert (done.session.policy.fallbacks > 0) == (sessions > 1)
+    assert round(done.session.policy.estimates.batch) == sessions
 
 
 def test_speculation_off_never_calls_the_draft():

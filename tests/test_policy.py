@@ -183,6 +183,58 @@ def test_a_pass_shared_with_other_sessions_is_timed_only_while_nothing_else_is_m
     assert not should_fall_back(after, CONFIG)
 
 
+# Timings of the issue's AVX2 host: a pass of R positions costs 43 ms + 13 ms per further position, a
+# draft step 14 ms alone and 10 % more per further session; eight sessions share the passes when they run at once.
+def avx2_pass(rows: int) -> float:
+    return 0.043 + 0.013 * (rows - 1)
+
+
+def batched_round(k: int, accepted: int, sessions: int) -> RoundObservation:
+    """A round in a pass with `sessions` sessions that each draft k (the target reports the rows it fed)."""
+    rows = sessions * (k + 1)
+    draft_s = 0.014 * k * (1 + 0.1 * (sessions - 1))
+    return RoundObservation(k, accepted, draft_s, avx2_pass(rows), RTT, target_shared=sessions > 1,
+                            batch_size=sessions, pass_rows=rows)
+
+
+def simulate_batched(alpha: float, sessions, rounds: int, state: PolicyState, seed: int = 0) -> Run:
+    """`sessions`: the pass's sessions at each round index."""
+    rng, ks, modes = random.Random(seed), [], []
+    for i in range(rounds):
+        k = next_k(state, CONFIG)
+        state = observe(state, batched_round(k, draw_accepted(rng, alpha, k), sessions(i)), CONFIG)
+        ks.append(k)
+        modes.append(state.mode)
+    return Run(ks, modes, state)
+
+
+def test_a_round_is_priced_by_the_pass_it_joins():
+    """Alone a good draft pays; with eight sessions in every pass the same draft's rows cost all of
+    them (8·(K+1) positions against 8 for plain steps), and the policy falls back; when the load is
+    gone, a probe takes speculation back."""
+    start = PolicyState(estimates=Estimates(draft_step_s=0.014, verify_s=tuple((k, avx2_pass(k + 1)) for k in range(17)),
+                                            rtt_s=RTT))
+    alone = simulate_batched(0.8, lambda i: 1, 60, start)
+    assert alone.state.mode == SPECULATIVE and alone.state.fallbacks == 0 and min(alone.ks[-20:]) >= 1
+
+    loaded = simulate_batched(0.8, lambda i: 8, 60, start)
+    assert loaded.state.mode == PLAIN and loaded.state.fallbacks >= 1
+    assert dict(loaded.state.estimates.verify_s)[7] == pytest.approx(avx2_pass(8))  # plain steps of eight: rows 8
+    assert round(loaded.state.estimates.batch) == 8
+    assert verify_time(loaded.state.estimates, 0) == pytest.approx(avx2_pass(8))
+    assert verify_time(loaded.state.estimates, 4) == pytest.approx(avx2_pass(40), rel=0.05)
+
+    relieved = simulate_batched(0.8, lambda i: 1, 200, loaded.state)
+    assert relieved.state.mode == SPECULATIVE and round(relieved.state.estimates.batch) == 1
+
+
+def test_a_round_is_priced_alone_when_its_pass_is_its_own():
+    """The batch-size table is the lone session's verify(K) when nothing shares the pass."""
+    est = Estimates(alpha=0.8, draft_step_s=DRAFT_STEP, verify_s=((0, 0.4), (4, 0.56)), rtt_s=RTT)
+    assert verify_time(est, 4) == 0.56 and verify_time(replace(est, batch=1.3), 4) == 0.56
+    assert verify_time(replace(est, batch=2.0), 1) == verify_time(est, 3)  # two sessions of two positions
+
+
 def test_alpha_counts_only_the_drafts_the_target_judged():
     """At K = 4 and α = 0.83 the mean of accepted / K is about 0.64; the estimate must not be."""
     fixed = PolicyConfig(adaptive=False, default_k=4)

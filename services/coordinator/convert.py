@@ -55,6 +55,10 @@ def stats_to_proto(
         outage_rounds=stats.outage_rounds,
         model_free_drafted_tokens=stats.model_free_drafted,
         model_free_accepted_tokens=stats.model_free_accepted,
+        draft_wall_s=stats.draft_wall_s,
+        verify_wall_s=stats.verify_wall_s,
+        verify_queued_s=stats.verify_queued_s,
+        save_s=stats.save_s,
         mode=mode,
     )
 

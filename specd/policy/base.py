@@ -52,13 +52,17 @@ class RoundObservation:
     draft_cold: bool = False  # the draft processed more than this round's tokens (prefill, catch-up)
     target_cold: bool = False  # the target did: its verify_s is not a decode step
     target_shared: bool = False  # other sessions' verifications shared the target's pass: verify_s timed theirs too
+    batch_size: int = 1  # sessions in the target's pass
+    pass_rows: int = 0  # positions that pass fed, every session's: what verify_s paid for (0: not reported)
 
 
 @dataclass(frozen=True)
 class Estimates:
     alpha: float = 0.7  # per-draft-token acceptance rate (prior until measured)
     draft_step_s: float | None = None  # draft compute per drafted token
-    verify_s: tuple[tuple[int, float], ...] = ()  # target compute per round, by K (K = 0: plain step)
+    # target compute of a pass, by its positions - 1: K for a session alone (K = 0: a plain step); a shared
+    # pass of R positions counts as K = R - 1 (specd/policy/cost.py prices a round by the pass it joins)
+    verify_s: tuple[tuple[int, float], ...] = ()
     rtt_s: float = 0.0  # per RPC: wall time minus service compute
     observations: int = 0
     accepted_count: float = 0.0  # decayed count of accepted drafts; alpha = accepted_count / tested_count
@@ -66,6 +70,7 @@ class Estimates:
     judged: int = 0  # drafts the target judged in this session (not decayed, not inherited)
     free_accepted: float = 0.0  # decayed count of accepted model-free drafts (specd/policy/hybrid.py)
     free_expected: float = 0.0  # decayed sum of those drafts' scores: what the drafter expected
+    batch: float = 1.0  # sessions sharing the target's passes (EWMA): each round is priced as a pass of them all
 
     @property
     def free_calibration(self) -> float:

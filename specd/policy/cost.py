@@ -20,10 +20,22 @@ def expected_tokens(alpha: float, k: int) -> float:
 
 
 def verify_time(est: Estimates, k: int) -> float | None:
-    """Target compute for a round with K drafts: the measurement when K was measured, else a
-    least-squares line through the measured K (slope >= 0: more positions never cost less),
-    or PRIOR_SLOPE through a single point. Never below what a batched pass can cost: K + 1
-    positions at once cost at most K + 1 times one position. None when nothing is measured."""
+    """Target compute for a round with K drafts, priced as the pass it joins: `est.batch` sessions
+    that each draft as this one does (vLLM's batch size -> K table, learnt): B·(K + 1) positions.
+    Alone, that is verify(K). A session's extra rows cost every session of the pass, so a round is
+    not priced at its own rows on top of the others' (each would then speculate where all lose)."""
+    return pass_time(est, batch_sessions(est) * (k + 1) - 1)
+
+
+def batch_sessions(est: Estimates) -> int:
+    return max(1, round(est.batch))
+
+
+def pass_time(est: Estimates, k: int) -> float | None:
+    """Target compute of a pass of k + 1 positions: the measurement when k was measured, else a
+    least-squares line through the measured k (slope >= 0: more positions never cost less),
+    or PRIOR_SLOPE through a single point. Never below what a batched pass can cost: k + 1
+    positions at once cost at most k + 1 times one position. None when nothing is measured."""
     points = dict(est.verify_s)
     if k in points:
         return points[k]
@@ -116,7 +128,7 @@ def explore_k(est: Estimates, config: PolicyConfig, k: int, speedup: float) -> i
     K a session measured overestimates large K, which would then never be tried. Optimism in the
     face of that uncertainty: a K above the best is tried once if it would win with verification
     costing no more than at the largest measured K below it (its measurement then stands)."""
-    if not config.adaptive or math.isnan(speedup):
+    if not config.adaptive or math.isnan(speedup) or batch_sessions(est) > 1:  # a shared pass: its rows are the table's
         return k
     points = dict(est.verify_s)
     plain_s = verify_time(est, 0)

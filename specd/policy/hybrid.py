@@ -18,7 +18,7 @@ from dataclasses import replace
 
 from specd.policy.base import PLAIN, Estimates, PolicyConfig, PolicyState, RoundObservation
 from specd.policy.cost import is_measured, predicted_speedup, verify_time
-from specd.policy.learning import learn_verify
+from specd.policy.learning import learn_pass
 
 AUTO, MODEL, FREE, NONE = "auto", "model", "ngram", "none"
 DRAFTERS = (AUTO, MODEL, FREE, NONE)
@@ -65,10 +65,8 @@ def learn_free(est: Estimates, obs: RoundObservation, scores: Sequence[float], c
     keep = 1.0 - 1.0 / config.alpha_window
     accepted = est.free_accepted * keep + obs.accepted
     expected = est.free_expected * keep + sum(scores[: obs.k])
-    verify_s = est.verify_s
-    if not obs.target_cold and not obs.target_shared:
-        verify_s = learn_verify(verify_s, obs.k, obs.verify_s, config.smoothing)
-    return replace(est, free_accepted=accepted, free_expected=expected, verify_s=verify_s)
+    est = learn_pass(est, obs, config.smoothing, obs.target_cold)
+    return replace(est, free_accepted=accepted, free_expected=expected)
 
 
 def observe_free(state: PolicyState, obs: RoundObservation, scores: Sequence[float], config: PolicyConfig) -> PolicyState:

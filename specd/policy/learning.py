@@ -25,13 +25,25 @@ def learn(
     if obs.k > 0 and not draft_cold:
         step = obs.draft_s / obs.k
         draft_step = step if draft_step is None else _ewma(draft_step, step, w)
-    verify_s = est.verify_s
-    if not target_cold and not (obs.target_shared and is_measured(est)):
-        verify_s = learn_verify(est.verify_s, obs.k, obs.verify_s, w)
     rtt = obs.rtt_s if est.observations == 0 else _ewma(est.rtt_s, obs.rtt_s, w)
-    return replace(est, alpha=alpha, draft_step_s=draft_step, verify_s=verify_s, rtt_s=rtt,
+    est = learn_pass(est, obs, w, target_cold)
+    return replace(est, alpha=alpha, draft_step_s=draft_step, rtt_s=rtt,
                    observations=est.observations + 1, accepted_count=accepted_count, tested_count=tested_count,
                    judged=est.judged + judged)
+
+
+def learn_pass(est: Estimates, obs: RoundObservation, w: float, target_cold: bool) -> Estimates:
+    """What the target's pass showed: its time at the positions it fed, whoever fed them, and how
+    many sessions share the passes. A cold pass (this session caught up on more than the round's
+    tokens) times a prefill, not a step. A target that does not report its rows: a shared pass's
+    time is skipped once the estimates are measured (it covers rows this model cannot count)."""
+    verify_s = est.verify_s
+    if not target_cold and obs.pass_rows > 0:
+        verify_s = learn_verify(verify_s, obs.pass_rows - 1, obs.verify_s, w)
+    elif not target_cold and not (obs.target_shared and is_measured(est)):
+        verify_s = learn_verify(verify_s, obs.k, obs.verify_s, w)
+    batch = float(obs.batch_size) if est.observations == 0 else _ewma(est.batch, obs.batch_size, w)
+    return replace(est, verify_s=verify_s, batch=batch)
 
 
 def _learn_acceptance(est: Estimates, obs: RoundObservation, window: int) -> tuple[float, float, int]:

@@ -81,7 +81,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., session_id: _Optional[str] = ..., speculation: _Optional[bool] = ..., max_draft_tokens: _Optional[int] = ..., request_id: _Optional[str] = ..., drafter: _Optional[str] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "rounds", "drafted_tokens", "accepted_tokens", "mean_acceptance_length", "accepted_per_position", "drafted_per_position", "fallbacks", "mode", "resyncs", "judged_tokens", "draft_compute_s", "verify_compute_s", "round_wall_s", "outage_rounds", "model_free_drafted_tokens", "model_free_accepted_tokens")
+    __slots__ = ("prompt_tokens", "completion_tokens", "rounds", "drafted_tokens", "accepted_tokens", "mean_acceptance_length", "accepted_per_position", "drafted_per_position", "fallbacks", "mode", "resyncs", "judged_tokens", "draft_compute_s", "verify_compute_s", "round_wall_s", "outage_rounds", "model_free_drafted_tokens", "model_free_accepted_tokens", "draft_wall_s", "verify_wall_s", "verify_queued_s", "save_s")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +100,10 @@ class GenerationStats(_message.Message):
     OUTAGE_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FREE_DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FREE_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_WALL_S_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_WALL_S_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_QUEUED_S_FIELD_NUMBER: _ClassVar[int]
+    SAVE_S_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     rounds: int
@@ -118,7 +122,11 @@ class GenerationStats(_message.Message):
     outage_rounds: int
     model_free_drafted_tokens: int
     model_free_accepted_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., mean_acceptance_length: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., drafted_per_position: _Optional[_Iterable[int]] = ..., fallbacks: _Optional[int] = ..., mode: _Optional[str] = ..., resyncs: _Optional[int] = ..., judged_tokens: _Optional[int] = ..., draft_compute_s: _Optional[float] = ..., verify_compute_s: _Optional[float] = ..., round_wall_s: _Optional[float] = ..., outage_rounds: _Optional[int] = ..., model_free_drafted_tokens: _Optional[int] = ..., model_free_accepted_tokens: _Optional[int] = ...) -> None: ...
+    draft_wall_s: float
+    verify_wall_s: float
+    verify_queued_s: float
+    save_s: float
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., mean_acceptance_length: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., drafted_per_position: _Optional[_Iterable[int]] = ..., fallbacks: _Optional[int] = ..., mode: _Optional[str] = ..., resyncs: _Optional[int] = ..., judged_tokens: _Optional[int] = ..., draft_compute_s: _Optional[float] = ..., verify_compute_s: _Optional[float] = ..., round_wall_s: _Optional[float] = ..., outage_rounds: _Optional[int] = ..., model_free_drafted_tokens: _Optional[int] = ..., model_free_accepted_tokens: _Optional[int] = ..., draft_wall_s: _Optional[float] = ..., verify_wall_s: _Optional[float] = ..., verify_queued_s: _Optional[float] = ..., save_s: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("token_ids", "text", "finish_reason", "stats")

@@ -32,7 +32,7 @@ class StepRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., sync: _Optional[_Union[_common_pb2.SyncPoint, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("num_accepted", "next_token", "position", "instance_id", "compute_s", "queued_s", "batch_size")
+    __slots__ = ("num_accepted", "next_token", "position", "instance_id", "compute_s", "queued_s", "batch_size", "pass_rows")
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +40,7 @@ class VerifyResponse(_message.Message):
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     QUEUED_S_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PASS_ROWS_FIELD_NUMBER: _ClassVar[int]
     num_accepted: int
     next_token: int
     position: int
@@ -47,4 +48,5 @@ class VerifyResponse(_message.Message):
     compute_s: float
     queued_s: float
     batch_size: int
-    def __init__(self, num_accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., position: _Optional[int] = ..., instance_id: _Optional[str] = ..., compute_s: _Optional[float] = ..., queued_s: _Optional[float] = ..., batch_size: _Optional[int] = ...) -> None: ...
+    pass_rows: int
+    def __init__(self, num_accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., position: _Optional[int] = ..., instance_id: _Optional[str] = ..., compute_s: _Optional[float] = ..., queued_s: _Optional[float] = ..., batch_size: _Optional[int] = ..., pass_rows: _Optional[int] = ...) -> None: ...
