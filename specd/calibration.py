@@ -5,11 +5,10 @@ K on a user's request (`specd.policy.calibrated`). Transport-free: it drives the
 
 from __future__ import annotations
 
-import contextlib
 import uuid
 
 from specd.contracts import SamplingParams
-from specd.loop import GenerationRequest, RoundRecord, Services, forget, generate
+from specd.loop import GenerationRequest, Services, forget, one_round
 from specd.policy import PolicyConfig, PolicyState, RoundObservation, calibrated, calibration_ks
 from specd.stopping import Decode, StopRules
 
@@ -48,8 +47,4 @@ async def _one_round(
     request = GenerationRequest(
         prompt, StopRules(max_tokens=k + 1, ignore_eos=True), SamplingParams(), policy=config, fixed_k=k
     )
-    records: list[RoundRecord] = []
-    events = generate(request, session_id, services, decode, ephemeral=False, on_round=records.append)
-    async with contextlib.aclosing(events):
-        await anext(events)  # the round is saved before its chunk is emitted; the next one is not run
-    return records[0].observation
+    return (await one_round(request, session_id, services, decode)).observation

@@ -123,6 +123,7 @@ class RoundResult:
     emitted: tuple[int, ...]
     text: str
     record: RoundRecord
+    stored_before: int  # committed tokens the store held before this round: its save appends the rest
 
 
 async def generate(
@@ -139,16 +140,11 @@ async def generate(
     A new session records its `owner` and starts from the policy the deployment learned last.
     `request_id`: a retry of the session's latest turn with this id does not append its prompt
     again: it replies with what that turn committed and, if it had not finished, goes on with it."""
-    lease, state = await services.store.begin(session_id, create=True, owner=owner)
-    state, stored, replayed = await _open_turn(state, request, request_id, services.store)
-    turn = _Turn(request, session_id, services, lease, StopChecker(request.rules, decode), state.stats,
-                 state.owner)
-    progress = _Progress(state, stored, SessionStats())
+    turn, progress, replayed = await _start_turn(request, session_id, services, decode, owner, request_id)
     try:
         if replayed:  # the same checker over the same tokens: the reply so far, as first sent
             yield Chunk(*_apply_stop_rules(turn.checker, replayed))
-        while not turn.checker.finish_reason:
-            result = await run_round(turn, progress)
+        async for result in _saved_rounds(turn, progress):
             progress = result.progress
             if on_round:
                 on_round(result.record)
@@ -165,12 +161,75 @@ async def generate(
             await forget(session_id, services)
 
 
+async def one_round(request: GenerationRequest, session_id: str, services: Services, decode: Decode) -> RoundRecord:
+    """One round of a request on a session, saved, and nothing after it (start-up calibration times
+    rounds one at a time: a round run ahead would be one more pass in the middle of its timings)."""
+    turn, progress, _ = await _start_turn(request, session_id, services, decode)
+    result = await run_round(turn, progress)
+    await _save(turn, result)
+    return result.record
+
+
+async def _start_turn(request: GenerationRequest, session_id: str, services: Services, decode: Decode,
+                      owner: str = "", request_id: str = "") -> tuple[_Turn, _Progress, tuple[int, ...]]:
+    """Take the session over and open the turn: what its rounds share, the progress before them,
+    and what a retried turn had already generated."""
+    lease, state = await services.store.begin(session_id, create=True, owner=owner)
+    state, stored, replayed = await _open_turn(state, request, request_id, services.store)
+    turn = _Turn(request, session_id, services, lease, StopChecker(request.rules, decode), state.stats,
+                 state.owner)
+    return turn, _Progress(state, stored, SessionStats()), replayed
+
+
+async def _saved_rounds(turn: _Turn, progress: _Progress) -> AsyncIterator[RoundResult]:
+    """The turn's rounds, each yielded once the store holds it (a client never receives a token a
+    crash could lose). The next round runs while the last one's save is in flight: a round is a
+    pure function of the committed tokens, so one begun on tokens whose save then fails is dropped
+    (the services' caches are soft copies; the next sync truncates them). Each round's wall time is
+    from the last round's save to its own, the round as the client waits for it; it and the save's
+    own time reach the store with the next round's save."""
+    if turn.checker.finish_reason:
+        return
+    ahead: asyncio.Task | None = None
+    ready = time.perf_counter()
+    result = await run_round(turn, progress)
+    try:
+        while True:
+            saving = asyncio.ensure_future(_save(turn, result))
+            ahead = None if turn.checker.finish_reason else asyncio.ensure_future(run_round(turn, result.progress))
+            save_s = await saving
+            now = time.perf_counter()
+            timing = SessionStats(round_wall_s=now - ready, save_s=save_s)
+            ready = now
+            yield _with_stats(result, timing)  # the request's stats include its last round's timing
+            if ahead is None:
+                return
+            result, ahead = _with_stats(await ahead, timing), None
+    finally:
+        if ahead is not None:  # the save failed or the client left: the round ahead is dropped
+            ahead.cancel()
+            await asyncio.gather(ahead, return_exceptions=True)
+
+
+async def _save(turn: _Turn, result: RoundResult) -> float:
+    """Persist a round (fenced: fails if another coordinator took the session over); its seconds."""
+    start = time.perf_counter()
+    await turn.services.store.save(turn.lease, result.progress.state, appended_from=result.stored_before)
+    return time.perf_counter() - start
+
+
+def _with_stats(result: RoundResult, stats: SessionStats) -> RoundResult:
+    """The round with timings added to the request's and the session's counters."""
+    progress = result.progress
+    state = replace(progress.state, stats=progress.state.stats + stats)
+    return replace(result, progress=replace(progress, state=state, stats=progress.stats + stats))
+
+
 async def run_round(turn: _Turn, progress: _Progress) -> RoundResult:
-    """Draft, verify, commit, roll back, learn, save. The span ends before the round's tokens are
-    emitted: a span left current across a yield would leak into whatever the consumer does."""
+    """Draft, verify, commit, roll back, learn; the caller saves. The span ends before the round's
+    tokens are emitted: a span left current across a yield would leak into whatever the consumer does."""
     request, services, state = turn.request, turn.services, progress.state
     with tracer.start_as_current_span("speculation.round") as span:
-        start = time.perf_counter()
         remaining = request.rules.max_tokens - len(turn.checker.token_ids)
         k = min(_choose_k(request, state.policy), remaining - 1)  # a round commits at most k + 1 tokens
         # 1. draft: from the tokens at hand, by the draft model, or not at all
@@ -209,16 +268,10 @@ async def run_round(turn: _Turn, progress: _Progress) -> RoundResult:
         span.set_attributes(_round_attributes(progress.stats.rounds, observation, len(committed), policy.mode, source))
         state = replace(state, tokens=committed, draft=draft, target=target, policy=policy,
                         stats=turn.session_stats + stats)
-        # 6. persist (fenced: fails if another coordinator took the session over), then emit
-        saving = time.perf_counter()
-        await services.store.save(turn.lease, state, appended_from=progress.stored)
-        # The round's wall time includes its own save, so they reach the store with the next one.
-        done = time.perf_counter()
-        stats += SessionStats(round_wall_s=done - start, save_s=done - saving)
+    # 6. persist, then emit: the caller's (_saved_rounds)
     record = RoundRecord(k, a, len(committed), drafting and drafting.reply.position, verifying.reply.position,
                          policy.mode, observation, source)
-    progress = _Progress(replace(state, stats=turn.session_stats + stats), len(committed), stats)
-    return RoundResult(progress, emitted, text, record)
+    return RoundResult(_Progress(state, len(committed), stats), emitted, text, record, progress.stored)
 
 
 async def _open_turn(

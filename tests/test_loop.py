@@ -68,7 +68,7 @@ def test_a_draft_outage_decodes_plainly_at_once_then_speculates_again():
     ks = [r.k for r in records]
     assert ks[:2] == [3, 3]
     assert ks[2] == 0  # the round that found no draft went on plainly: no wait, no error
-    last_plain = max(i for i, k in enumerate(ks) if k == 0)
+    last_plain = max(i for i, k in enumerate(ks[:-1]) if k == 0)  # (the last round may have room for one token only)
     assert last_plain >= 5 and 3 in ks[last_plain:]  # plain while down, speculating once a probe got an answer
     proposals_while_down = drafter.calls - sum(k > 0 for k in ks)
     assert proposals_while_down == 1 and drafter.probes >= 1  # then only the background probe asked
@@ -297,6 +297,77 @@ def test_a_newer_request_on_the_session_fences_the_older_one():
 
     new = asyncio.run(interleave())
     assert isinstance(new[-1], Finished)
+
+
+# --- the save runs beside the next round ----------------------------------------------------
+
+
+class SlowStore(FakeStore):
+    """Each save takes `save_s` (a store across a network); the `fail_at`-th save is fenced."""
+
+    def __init__(self, save_s: float = 0.02, fail_at: int | None = None):
+        super().__init__()
+        self.save_s, self.fail_at, self.in_flight = save_s, fail_at, False
+
+    async def save(self, lease, state, appended_from: int) -> None:
+        self.in_flight = True
+        try:
+            await asyncio.sleep(self.save_s)
+            if self.saves + 1 == self.fail_at:
+                raise Fenced(lease.session_id)
+            await super().save(lease, state, appended_from)
+        finally:
+            self.in_flight = False
+
+
+class WatchingVerifier(FakeVerifier):
+    """Counts the calls made while a save of the store was in flight."""
+
+    def __init__(self, store: SlowStore):
+        super().__init__(target_rule)
+        self.store, self.during_save = store, 0
+
+    async def verify(self, request) -> VerifyReply:
+        self.during_save += self.store.in_flight
+        return await super().verify(request)
+
+
+def test_the_next_round_runs_while_the_last_is_saved_and_only_saved_tokens_are_sent():
+    store = SlowStore()
+    verifier = WatchingVerifier(store)
+    services = Services(FakeDrafter(draft_rule(3)), verifier, store)
+
+    async def collect():
+        sent = []
+        async for event in generate(request(max_tokens=30, k=2), "s", services, decode, ephemeral=False):
+            if isinstance(event, Chunk):
+                sent += event.token_ids
+                assert store.sessions["s"][1].tokens[len(PROMPT):][: len(sent)] == tuple(sent)  # held before sent
+        return sent
+
+    sent = asyncio.run(collect())
+    assert sent == target_alone(PROMPT, 30)
+    rounds = store.sessions["s"][1].stats.rounds
+    assert verifier.during_save >= rounds - 2  # every round after the first began beside the last one's save
+
+
+def test_a_failed_save_drops_the_round_run_ahead_and_sends_nothing_more():
+    store = SlowStore(fail_at=3)
+    verifier = WatchingVerifier(store)
+    services = Services(FakeDrafter(draft_rule(3)), verifier, store)
+
+    async def collect():
+        sent = []
+        with pytest.raises(Fenced):
+            async for event in generate(request(max_tokens=30, k=2), "s", services, decode, ephemeral=False):
+                sent += event.token_ids if isinstance(event, Chunk) else ()
+        await asyncio.sleep(0.05)
+        return sent, [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+
+    sent, left = asyncio.run(collect())
+    held = store.sessions["s"][1].tokens[len(PROMPT):]
+    assert store.saves == 2 and tuple(sent) == held  # the two saved rounds, nothing of the third or a fourth
+    assert verifier.calls >= 4 and not left  # the round run ahead did run, and was dropped
 
 
 # --- idempotent turns: a retry with the turn's request id ----------------------------------
