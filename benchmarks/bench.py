@@ -297,7 +297,8 @@ def coordinator(cfg: BenchConfig, draft_dir: Path, target_dir: Path) -> Iterator
         with grpc.insecure_channel(cfg.address) as channel:
             yield coordinator_pb2_grpc.CoordinatorStub(channel), dict  # remote services: memory unknown
         return
-    flags = ("--draft-model", str(draft_dir), "--target-model", str(target_dir), *cfg.up_flags)
+    flags = ("--draft-model", str(draft_dir), "--target-model", str(target_dir), *cfg.up_flags,
+             *(() if cfg.draft_model else ("--draft-replicas", "0")))
     with specd_up(*flags) as up:
         yield up.stub, up.rss
 
@@ -395,7 +396,7 @@ def _result(cfg, prompts, runs, probes, scaling, duration_s, rss) -> dict:
         "settings": {
             "tokens": cfg.tokens, "ks": list(cfg.ks), "prompts": {p.name: p.kind for p in prompts},
             "concurrency": cfg.concurrency, "repeats": cfg.repeats, "greedy": True,
-            "services": cfg.address or "specd up " + " ".join(cfg.up_flags),
+            "services": cfg.address or "specd up " + " ".join(cfg.up_flags) + ("" if cfg.draft_model else " --draft-replicas 0"),
             "threads": {role: _flag(cfg.up_flags, f"--{role}-threads") or f"torch default ({os.cpu_count()} cores)"
                         for role in ("draft", "target")},
             "llama_server": cfg.llama_server and f"{cfg.llama_server} -t {cfg.threads} (plain; speculative adds "
@@ -442,18 +443,23 @@ def _positive(value: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from benchmarks import quality, round_parts
+    from benchmarks import load, quality, round_parts
 
     args = sys.argv[1:] if argv is None else list(argv)
     if "--quality" in args:  # perplexity and agreement: benchmarks/quality.py
         return quality.main(args)
     if "--round-parts" in args:  # where a round's time goes: benchmarks/round_parts.py
         return round_parts.main(args)
+    if "--load" in args:  # adaptive against plain with N sessions at once: benchmarks/load.py
+        return load.main(args)
     parser = argparse.ArgumentParser(prog="specd bench", description=__doc__.splitlines()[0])
     # Handed over above, before this parser reads anything: listed so that `specd bench -h` tells of it.
     summary = quality.__doc__.splitlines()[0].removeprefix("specd bench --quality: ")
     parser.add_argument("--quality", action="store_true",
                         help=f"run benchmarks/quality.py instead: {summary} Its flags: --quality -h")
+    parser.add_argument("--load", action="store_true",
+                        help="run benchmarks/load.py instead: adaptive against plain with 8 and 16 sessions at "
+                             "once. Its flags: --load -h")
     parser.add_argument("--round-parts", action="store_true",
                         help="run benchmarks/round_parts.py instead: where a round's time goes (target pass, "
                              "queue, RPC, save, coordinator, delivery). Its flags: --round-parts -h")
@@ -492,7 +498,7 @@ def main(argv: list[str] | None = None) -> int:
     ) + tuple(
         arg for role in ("draft", "target") if getattr(args, f"{role}_quantize")
         for arg in (f"--{role}-quantize", getattr(args, f"{role}_quantize"))
-    ) + (("--draft-replicas", "0") if args.target_alone else ()) + tuple(
+    ) + tuple(
         arg for role in ("draft", "target") if getattr(args, f"{role}_threads")
         for arg in (f"--{role}-threads", str(getattr(args, f"{role}_threads")))
     )

@@ -72,10 +72,10 @@ def _lossless(run: dict) -> str:
 def _rss(run: dict) -> str:
     rss = run["rss_gb"]
     total = rss["draft"] + rss["target"] + rss["coordinator"]
+    peers = [f"{rss[key]:.2f} {what}" for key, what in (("llama_plain", "plain"), ("llama_spec", "speculative"),
+                                                          ("llama_ngram", "n-gram")) if key in rss]
     return para(f"Memory (RSS): specd {total:.2f} GB (draft {rss['draft']:.2f}, target {rss['target']:.2f}, "
-                f"coordinator {rss['coordinator']:.2f}); llama-server {rss['llama_plain']:.2f} plain, "
-                f"{rss['llama_spec']:.2f} speculative"
-                + (f", {rss['llama_ngram']:.2f} n-gram." if "llama_ngram" in rss else "."))
+                f"coordinator {rss['coordinator']:.2f})" + ("; llama-server " + ", ".join(peers) if peers else "") + ".")
 
 
 def _concurrency(run: dict) -> str:
@@ -332,6 +332,42 @@ def before_after(results: Path) -> str:
     return table(["tok/s (× llama-server plain)", *CLASSES], rows)
 
 
+def round_parts(results: Path) -> str:
+    """Milliseconds of a steady-state round by part, plain and adaptive (specd bench --round-parts)."""
+    run = load(results, "round_parts")
+    parts = run["parts_ms_per_round"]
+    names = {"target_pass": "target pass", "draft": "draft calls", "queued": "queued at the target",
+             "verify_rpc": "verify RPC (gRPC, TLS, both sides' Python)",
+             "coordinator": "coordinator (loop, policy, stop rules, the save's unhidden part, streaming)",
+             "delivery": "delivery (the gRPC server around the rounds)", "save_overlapped": "save (beside the next round)",
+             "fixed_ms": "fixed cost (all but the model passes)"}
+    rows = [[label, *(f"{parts[config][key]:.2f}" for config in parts)] for key, label in names.items()]
+    rows += [["fixed cost ÷ target pass", *(f"{parts[c]['fixed_vs_pass'] * 100:.1f} %" for c in parts)],
+             ["tokens per round", *(f"{parts[c]['tokens_per_round']:.2f}" for c in parts)],
+             ["tokens/s (÷ the engine's own plain rate)",
+              *(f"{parts[c]['tokens_per_s']:.1f} ({parts[c]['plain_vs_pass']:.2f})" for c in parts)]]
+    settings = run["settings"]
+    head = para(f"`results/round_parts.json`: {run['machine']['cpu']}, prompts {', '.join(settings['prompts'])}; "
+                f"{settings['tokens']} tokens less 1, {settings['repeats']}× each; {run['duration_s'] / 60:.1f} min. "
+                "Milliseconds per steady-state round:") + "\n"
+    return head + table(["part", *parts], rows)
+
+
+def load_block(results: Path) -> str:
+    """Aggregate tokens/s with N sessions at once, plain and adaptive (specd bench --load)."""
+    run = load(results, "load")
+    rows = [[n, f"{r['plain_tokens_per_s']:.1f}", f"{r['adaptive_tokens_per_s']:.1f}", f"{r['adaptive_vs_plain']:.2f}×",
+             "yes" if r["met"] else "no"] for n, r in run["sessions"].items()]
+    settings, lossless, adaptive = run["settings"], run["lossless"], run["adaptive"]
+    head = para(f"`results/load.json`: {run['machine']['cpu']}; `{settings['prompts']}`, {settings['tokens']} "
+                f"tokens a request, {settings['repeats']} repeats in alternating order; {run['duration_s'] / 60:.1f} min.") + "\n"
+    tail = para(f"Adaptive drafted {adaptive['drafted_tokens']} tokens in {adaptive['rounds']} rounds, "
+                f"{adaptive['accepted_tokens']} accepted, {adaptive['fallbacks']} fallbacks to plain; "
+                f"{lossless['checked'] - len(lossless['mismatches'])} of {lossless['checked']} adaptive outputs "
+                "equal plain decoding's.")
+    return head + table(["sessions at once", "plain tok/s", "adaptive tok/s", "adaptive ÷ plain", "≥ 0.98×"], rows) + "\n" + tail
+
+
 def _rate_against(configs: dict, config: str, reference: str) -> str:
     """A configuration's tok/s and, in brackets, its ratio to another's in the same run."""
     rate = configs[config]["tokens_per_s"]
@@ -341,6 +377,10 @@ def _rate_against(configs: dict, config: str, reference: str) -> str:
 BLOCKS: dict[str, Callable[[Path], str]] = {
     "bench_llama": llama("bench_llama"),
     "bench_llama_heldout": llama("bench_llama_heldout"),
+    "bench_repeat": llama("bench_repeat"),
+    "bench_repeat_target_alone": llama("bench_repeat_target_alone"),
+    "round_parts": round_parts,
+    "load": load_block,
     "goals": goals,
     "rows": rows,
     "chaos": chaos,

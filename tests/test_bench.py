@@ -90,6 +90,22 @@ def test_llama_server_runs_side_by_side_plain_speculative_and_concurrent(tiny_pa
     assert result["rss_gb"][LLAMA_PLAIN] > 0 and result["rss_gb"][LLAMA_SPEC] > 0
 
 
+def test_a_target_alone_runs_plain_and_the_model_free_drafter(tiny_pair, redis_url, results_dir):
+    draft_dir, target_dir = tiny_pair
+    cfg = BenchConfig(
+        tokens=6, ks=(1, 2), concurrency=0, draft_dir=draft_dir, target_dir=target_dir, hf=False, draft_model=False,
+        name="alone", progress=False, up_flags=("--target-threads", "1", "--redis-url", redis_url),
+    )
+    bench.run(cfg)
+
+    result = json.loads((results_dir / "alone.json").read_text())
+    assert result["settings"]["services"].endswith("--draft-replicas 0")
+    assert result["lossless"]["mismatches"] == [] and result["lossless"]["checked"] == 3 * 2
+    for summary in result["classes"].values():
+        assert set(summary["configs"]) == {PLAIN, ADAPTIVE}  # no fixed K: they are the draft model's
+    assert result["rss_gb"]["draft"] == 0 and result["goals"]
+
+
 def _run(config: str, output: tuple[int, ...]) -> Measured:
     return Measured(config, "p", "code", output, 1.0, ((0.1, 1),))
 

@@ -82,7 +82,9 @@ def test_streamed_chunks_add_up_to_the_completion(stub):
 
 def test_both_caches_and_the_redis_record_follow_the_committed_length_every_round(cluster, reference):
     """Drive the loop with the real gRPC clients; after each round inspect both engines and the
-    session record in the real Redis."""
+    session record in the real Redis. The next round runs while a round is saved and sent, so a
+    service may already hold the round after: the committed tokens are a prefix of what it holds,
+    and what the record says it holds is exactly that."""
     prompt = tuple(cluster.model.encode(PROMPTS[1]))
     committed = list(prompt)
     records: list[RoundRecord] = []
@@ -93,19 +95,19 @@ def test_both_caches_and_the_redis_record_follow_the_committed_length_every_roun
         committed.extend(reference(list(prompt), record.committed_length - len(prompt))[n - len(prompt) :])
         target, draft = cluster.target_engine, cluster.draft_engine
         assert record.target_position == record.committed_length == len(committed)
-        assert target.position(session) == len(committed) and list(target.tokens(session)) == committed
-        assert target.kv_length(session) == len(committed) - 1  # the newest token is fed next round
+        assert target.position(session) >= len(committed) and list(target.tokens(session))[: len(committed)] == committed
+        assert target.kv_length(session) >= len(committed) - 1  # the newest token is fed next round
         if record.draft_position is not None:
             assert record.draft_position == n  # the draft synced to exactly the committed length
             valid = n + record.num_accepted
             assert list(draft.tokens(session))[:valid] == committed[:valid]
-            assert draft.kv_length(session) <= n + record.k
         records.append(record)
 
     def check_record(state) -> None:
         target, draft = cluster.target_engine, cluster.draft_engine
         assert state.tokens == tuple(committed)
-        assert state.target.position == target.position(session) == len(committed)
+        assert state.target.position == len(committed) <= target.position(session)
+        assert target.tokens(session)[: len(committed)] == state.tokens
         assert state.target.instance_id == target.instance_id and state.draft.instance_id == draft.instance_id
         assert state.draft.position <= draft.position(session)
         assert draft.tokens(session)[: state.draft.position] == state.tokens[: state.draft.position]

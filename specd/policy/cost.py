@@ -79,7 +79,17 @@ def predicted_speedup(est: Estimates, k: int) -> float:
 
 def round_time(est: Estimates, k: int) -> float:
     """T(K) of docs/policy.md: one synchronous round with K drafts. Needs `is_measured(est)`."""
-    return k * est.draft_step_s + verify_time(est, k) + 2 * est.rtt_s
+    return k * draft_step(est) + verify_time(est, k) + 2 * est.rtt_s
+
+
+def draft_step(est: Estimates) -> float:
+    """A draft step in a batch of B sessions: the step measured alone, grown as the target's pass
+    grows from one session's position to B (both are passes over the same sessions' rows, and the
+    draft's reply does not say how many it shared). Needs `is_measured(est)`."""
+    batch = batch_sessions(est)
+    if batch == 1:
+        return est.draft_step_s
+    return est.draft_step_s * pass_time(est, batch - 1) / pass_time(est, 0)
 
 
 def best_k(est: Estimates, config: PolicyConfig) -> tuple[int, float]:
@@ -89,6 +99,17 @@ def best_k(est: Estimates, config: PolicyConfig) -> tuple[int, float]:
         return config.start_k, math.nan
     candidates = range(1, config.max_k + 1) if config.adaptive else (config.start_k,)
     return max(((k, predicted_speedup(est, k)) for k in candidates), key=lambda ks: (ks[1], -ks[0]))
+
+
+def could_pay(est: Estimates, config: PolicyConfig, bar: float) -> bool:
+    """Would a draft that is always right beat `bar` at some K, at these timings and this batch?
+    If not, no draft can, and neither drafting nor a probe to measure α is worth a pass: on a CPU,
+    where a pass costs about its rows, a batch of sessions makes every further row cost them all.
+    True while the timings are not measured."""
+    if not is_measured(est):
+        return True
+    plain_s = verify_time(est, 0) + est.rtt_s
+    return any((k + 1) * plain_s / round_time(est, k) > bar for k in range(1, config.max_k + 1))
 
 
 def should_fall_back(est: Estimates, config: PolicyConfig) -> bool:
@@ -104,11 +125,14 @@ def should_fall_back(est: Estimates, config: PolicyConfig) -> bool:
     two rounds of 0/4 right after the prompt happen 4 % of the time and read as α = 0.33, so
     the timing verdict also waits for MIN_JUDGED drafts judged in this session. A useless
     draft does not wait for it (acceptance alone condemns it within five rounds); a mediocre
-    one pays up to MIN_JUDGED drafts once per deployment (later sessions inherit the verdict)."""
+    one pays up to MIN_JUDGED drafts once per deployment (later sessions inherit the verdict). Where
+    not even a draft that is always right would pay (`could_pay`: a batch under load), the
+    timings alone decide, without waiting for judged drafts."""
     if not is_measured(est) or best_k(est, config)[1] >= config.off_below:
         return False
-    enough_evidence = est.observations >= TIMING_EVIDENCE and est.judged >= MIN_JUDGED
-    return _hopeless(est, config) or enough_evidence
+    timed = est.observations >= TIMING_EVIDENCE
+    ceiling = timed and not could_pay(est, config, config.off_below)  # no acceptance would pay: judged drafts moot
+    return _hopeless(est, config) or (timed and est.judged >= MIN_JUDGED) or ceiling
 
 
 def _hopeless(est: Estimates, config: PolicyConfig) -> bool:
@@ -116,7 +140,7 @@ def _hopeless(est: Estimates, config: PolicyConfig) -> bool:
     plain_s = verify_time(est, 0)
 
     def free_speedup(k: int) -> float:
-        round_s = k * est.draft_step_s + plain_s + 2 * est.rtt_s
+        round_s = k * draft_step(est) + plain_s + 2 * est.rtt_s
         return expected_tokens(est.alpha, k) * (plain_s + est.rtt_s) / round_s
 
     return max(free_speedup(k) for k in range(1, config.max_k + 1)) < config.off_below
@@ -136,7 +160,7 @@ def explore_k(est: Estimates, config: PolicyConfig, k: int, speedup: float) -> i
     def optimistic(candidate: int) -> float:
         below = [km for km in points if km < candidate]
         below_s = points[max(below)] if below else verify_time(est, candidate)
-        round_s = candidate * est.draft_step_s + below_s + 2 * est.rtt_s
+        round_s = candidate * draft_step(est) + below_s + 2 * est.rtt_s
         return expected_tokens(est.alpha, candidate) * (plain_s + est.rtt_s) / round_s
 
     unmeasured = [c for c in range(k + 1, config.max_k + 1) if c not in points]

@@ -22,7 +22,9 @@ def learn(
     alpha = accepted_count / tested_count if tested_count > 0 else est.alpha
     w = config.smoothing
     draft_step = est.draft_step_s
-    if obs.k > 0 and not draft_cold:
+    # The step alone: once measured, a round whose passes others shared (their rows timed too) is skipped;
+    # cost.draft_step prices it in a batch.
+    if obs.k > 0 and not draft_cold and not (obs.target_shared and draft_step is not None):
         step = obs.draft_s / obs.k
         draft_step = step if draft_step is None else _ewma(draft_step, step, w)
     rtt = obs.rtt_s if est.observations == 0 else _ewma(est.rtt_s, obs.rtt_s, w)

@@ -8,7 +8,7 @@ import math
 from dataclasses import replace
 
 from specd.policy.base import CALIBRATION_ROUNDS, PLAIN, SPECULATIVE, PolicyConfig, PolicyState, RoundObservation
-from specd.policy.cost import best_k, explore_k, should_fall_back
+from specd.policy.cost import best_k, could_pay, explore_k, should_fall_back
 from specd.policy.learning import PRIOR_DRAFTS, learn
 
 SESSION_PROBE_AFTER = 1  # plain rounds (the prompt's prefill) before a new plain-mode session probes
@@ -41,8 +41,9 @@ def next_k(state: PolicyState, config: PolicyConfig) -> int:
     text's own acceptance decides the next K."""
     if _calibrating(state):
         return 0
-    if state.mode == PLAIN:
-        return min(config.probe_k, config.max_k) if state.plain_rounds_until_probe <= 0 else 0
+    if state.mode == PLAIN:  # a probe waits while not even a perfect draft could pay (a batch under load)
+        due = state.plain_rounds_until_probe <= 0 and could_pay(state.estimates, config, config.on_above)
+        return min(config.probe_k, config.max_k) if due else 0
     if not config.adaptive:
         return config.start_k
     k = min(max(state.k, 1), config.max_k)
