@@ -234,7 +234,7 @@ async def run_round(turn: _Turn, progress: _Progress) -> RoundResult:
         k = min(_choose_k(request, state.policy), remaining - 1)  # a round commits at most k + 1 tokens
         # 1. draft: from the tokens at hand, by the draft model, or not at all
         free = _free_draft(turn, state, min(request.policy.max_k, remaining - 1))
-        source, k = _drafter(request, state.policy, k, free, services.drafter is not None)
+        source, k = _drafter(request, state, k, free, services.drafter is not None, remaining)
         drafting, outage, proposal = None, False, EMPTY_PROPOSAL
         if source == hybrid.FREE:
             proposal = model_free.proposal(free.tokens[:k], request.params.greedy)
@@ -364,15 +364,19 @@ def _free_draft(turn: _Turn, state: SessionState, cap: int) -> Draft:
     return drafter.propose(turn.session_id, turn.owner, state.tokens, cap)
 
 
-def _drafter(request: GenerationRequest, policy: PolicyState, k: int, free: Draft, model: bool) -> tuple[str, int]:
+def _drafter(request: GenerationRequest, state: SessionState, k: int, free: Draft, model: bool,
+             remaining: int) -> tuple[str, int]:
     """Who drafts this round, and how many tokens (`model`: there is a draft model). A pinned K is
     the draft model's, unless the request asked for the model-free drafter, whose draft it then caps."""
+    policy = state.policy
     if request.fixed_k is not None and request.drafter != hybrid.FREE:
         return (hybrid.MODEL, k) if k > 0 and model and request.drafter != hybrid.NONE else (hybrid.NONE, 0)
     if request.fixed_k is not None:
         free = Draft(free.tokens[:k], free.scores[:k], free.match)
         return (hybrid.FREE, len(free.tokens)) if free.tokens else (hybrid.NONE, 0)
-    return hybrid.choose(request.drafter, policy.estimates, request.policy, k if model else 0, free.scores)
+    lag = len(state.tokens) - state.draft.position  # what the draft model would catch up on first
+    return hybrid.choose(request.drafter, policy.estimates, request.policy, k if model else 0, free.scores, lag,
+                         remaining)
 
 
 def _min_confidence(request: GenerationRequest) -> float:

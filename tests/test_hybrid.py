@@ -53,6 +53,18 @@ def request(drafter: str = hybrid.AUTO, max_tokens: int = 40, prompt=PROMPT, k: 
 # -- the choice ------------------------------------------------------------------------------------
 
 
+def test_the_draft_models_catch_up_is_priced_over_what_is_left_of_the_request():
+    """A draft model that lacks a 300-token prompt first runs a pass over it (about 0.6 s here): worth
+    it for 400 more tokens at α = 0.9, not for 20; a model-free draft at hand then wins even when
+    unsure. Caught up (the round's own tokens only), the choice is the one without a lag."""
+    good = Estimates(**{**MEASURED.__dict__, "alpha": 0.9})
+    assert hybrid.choose(hybrid.AUTO, good, CONFIG, 4, [], lag=300, remaining=400) == (hybrid.MODEL, 4)
+    assert hybrid.choose(hybrid.AUTO, good, CONFIG, 4, [], lag=300, remaining=20) == (hybrid.NONE, 0)
+    assert hybrid.choose(hybrid.AUTO, good, CONFIG, 4, [0.2], lag=300, remaining=20) == (hybrid.FREE, 1)
+    assert hybrid.choose(hybrid.AUTO, good, CONFIG, 4, [0.2], lag=2, remaining=20) == (hybrid.MODEL, 4)
+    assert hybrid.choose(hybrid.MODEL, good, CONFIG, 4, [], lag=300, remaining=20) == (hybrid.MODEL, 4)  # asked for
+
+
 def test_a_sure_model_free_draft_beats_the_draft_model_and_an_unsure_one_does_not():
     assert hybrid.choose(hybrid.AUTO, MEASURED, CONFIG, 4, [1.0] * 8) == (hybrid.FREE, 8)
     assert hybrid.choose(hybrid.AUTO, MEASURED, CONFIG, 4, [0.1]) == (hybrid.MODEL, 4)

@@ -228,7 +228,7 @@ class BatchVerifier(FakeVerifier):
 @pytest.mark.parametrize("sessions", [8, 1])
 def test_a_round_is_priced_by_the_batch_it_joins(sessions):
     """A draft accepted 4 times in 5 pays alone; in passes of eight sessions its rows cost every
-    session's step, plain steps are faster, and the session falls back. Output is the target's."""
+    session's step, plain steps are faster, and the session hardly drafts. Output is the target's."""
     four_in_five = lambda prefix: target_rule(prefix) if len(prefix) % 5 else (target_rule(prefix) + 1) % 50  # noqa: E731
     drafter = FakeDrafter(four_in_five, compute_s=0.014 * (1 + 0.1 * (sessions - 1)))
     start = PolicyState(estimates=Estimates(draft_step_s=0.014, rtt_s=0.001,
@@ -237,7 +237,7 @@ def test_a_round_is_priced_by_the_batch_it_joins(sessions):
     done = run(GenerationRequest(PROMPT, StopRules(80), SamplingParams()), drafter, BatchVerifier(sessions),
                store=store)[-1]
     assert list(done.token_ids) == target_alone(PROMPT, 80)
-    assert (done.session.policy.fallbacks > 0) == (sessions > 1)
+    assert (drafter.calls < 5) == (sessions > 1), drafter.calls
     assert round(done.session.policy.estimates.batch) == sessions
 
 

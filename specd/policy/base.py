@@ -70,7 +70,8 @@ class Estimates:
     judged: int = 0  # drafts the target judged in this session (not decayed, not inherited)
     free_accepted: float = 0.0  # decayed count of accepted model-free drafts (specd/policy/hybrid.py)
     free_expected: float = 0.0  # decayed sum of those drafts' scores: what the drafter expected
-    batch: float = 1.0  # sessions sharing the target's passes (EWMA): each round is priced as a pass of them all
+    batch: float = 1.0  # sessions sharing the target's passes (up at once, down by EWMA): a round is priced as a pass of them all
+    draft_batched: tuple[tuple[int, float], ...] = ()  # the draft step with that many sessions in the passes (> 1)
 
     @property
     def free_calibration(self) -> float:

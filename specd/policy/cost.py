@@ -83,13 +83,15 @@ def round_time(est: Estimates, k: int) -> float:
 
 
 def draft_step(est: Estimates) -> float:
-    """A draft step in a batch of B sessions: the step measured alone, grown as the target's pass
-    grows from one session's position to B (both are passes over the same sessions' rows, and the
-    draft's reply does not say how many it shared). Needs `is_measured(est)`."""
+    """A draft step with B sessions in the passes: as measured at B, else the step measured at the
+    nearest smaller B (or alone) grown as the target's pass grows from that many positions to B (both
+    are passes over the same sessions' rows). Needs `is_measured(est)`."""
     batch = batch_sessions(est)
-    if batch == 1:
-        return est.draft_step_s
-    return est.draft_step_s * pass_time(est, batch - 1) / pass_time(est, 0)
+    measured = {1: est.draft_step_s, **dict(est.draft_batched)}
+    if batch in measured:
+        return measured[batch]
+    below = max(b for b in measured if b < batch)
+    return measured[below] * pass_time(est, batch - 1) / pass_time(est, below - 1)
 
 
 def best_k(est: Estimates, config: PolicyConfig) -> tuple[int, float]:

@@ -17,12 +17,13 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from specd.policy.base import PLAIN, Estimates, PolicyConfig, PolicyState, RoundObservation
-from specd.policy.cost import is_measured, predicted_speedup, verify_time
+from specd.policy.cost import expected_tokens, is_measured, pass_time, round_time, verify_time
 from specd.policy.learning import learn_pass
 
 AUTO, MODEL, FREE, NONE = "auto", "model", "ngram", "none"
 DRAFTERS = (AUTO, MODEL, FREE, NONE)
 UNMEASURED_MIN_EXPECTED = 1.0  # before timings exist, a model-free draft is used when it expects a token
+CAUGHT_UP = 2  # committed tokens a draft lacks at a normal round: the last round's accepted tail and its new token
 
 
 def free_expected(est: Estimates, scores: Sequence[float], m: int) -> float:
@@ -41,9 +42,11 @@ def free_choice(est: Estimates, scores: Sequence[float]) -> tuple[int, float]:
     return max(rates, key=lambda mr: (mr[1], -mr[0]))
 
 
-def choose(drafter: str, est: Estimates, config: PolicyConfig, k: int, scores: Sequence[float]) -> tuple[str, int]:
+def choose(drafter: str, est: Estimates, config: PolicyConfig, k: int, scores: Sequence[float],
+           lag: int = 0, remaining: int = 1) -> tuple[str, int]:
     """(the round's drafter, its draft length) from the request's `drafter`, the policy's K for the
-    draft model (0: plain step or no draft model) and a model-free draft's scores."""
+    draft model (0: plain step or no draft model), a model-free draft's scores, and for `auto` the
+    committed tokens the draft model lacks (`lag`) and the tokens the request may still make."""
     if drafter == NONE:
         return NONE, 0
     if drafter == MODEL:
@@ -51,12 +54,29 @@ def choose(drafter: str, est: Estimates, config: PolicyConfig, k: int, scores: S
     m, free_rate = free_choice(est, scores)
     if drafter == FREE:
         return (FREE, m) if m > 0 else (NONE, 0)
+    caught_up = lag <= CAUGHT_UP  # (else the draft model first runs a pass over what it lacks)
+    if k > 0 and not caught_up and is_measured(est) and model_rate(est, k, lag, remaining) < 1 / (verify_time(est, 0) + est.rtt_s):
+        k = 0  # the catch-up does not pay back in what is left of this request
     if m == 0:  # auto, and no model-free draft pays
         return (MODEL, k) if k > 0 else (NONE, 0)
     if k == 0 or math.isnan(free_rate):  # it pays against a plain step; nothing measured to weigh
         return FREE, m
-    model_rate = predicted_speedup(est, k) / (verify_time(est, 0) + est.rtt_s)
-    return (FREE, m) if free_rate >= model_rate else (MODEL, k)
+    return (FREE, m) if free_rate >= model_rate(est, k, lag, remaining) else (MODEL, k)
+
+
+def model_rate(est: Estimates, k: int, lag: int, remaining: int) -> float:
+    """Tokens a second of the draft model at K, its catch-up included: a draft that lacks more than
+    the round's own tokens (a new prompt, rounds another drafter took) first runs a pass over them,
+    paid once and shared by the rounds it then serves, E(α, K) tokens each, of the `remaining`."""
+    tokens = expected_tokens(est.alpha, k)
+    catch_up = catch_up_time(est, lag) * tokens / max(remaining, 1) if lag > CAUGHT_UP else 0.0
+    return tokens / (round_time(est, k) + catch_up)
+
+
+def catch_up_time(est: Estimates, lag: int) -> float:
+    """The draft's pass over `lag` tokens: its step grown as the target's pass grows from one
+    position to `lag` (both models' passes cost their rows alike)."""
+    return est.draft_step_s * pass_time(est, lag - 1) / pass_time(est, 0)
 
 
 def learn_free(est: Estimates, obs: RoundObservation, scores: Sequence[float], config: PolicyConfig) -> Estimates:

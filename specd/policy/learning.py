@@ -21,15 +21,18 @@ def learn(
     accepted_count, tested_count, judged = _learn_acceptance(est, obs, config.alpha_window)
     alpha = accepted_count / tested_count if tested_count > 0 else est.alpha
     w = config.smoothing
-    draft_step = est.draft_step_s
-    # The step alone: once measured, a round whose passes others shared (their rows timed too) is skipped;
-    # cost.draft_step prices it in a batch.
-    if obs.k > 0 and not draft_cold and not (obs.target_shared and draft_step is not None):
+    draft_step, batched = est.draft_step_s, est.draft_batched
+    # The step alone, and by the batch the passes held (the draft's passes hold the target's sessions):
+    # a step timed under load must not outlive the load (cost.draft_step).
+    if obs.k > 0 and not draft_cold:
         step = obs.draft_s / obs.k
-        draft_step = step if draft_step is None else _ewma(draft_step, step, w)
+        if obs.batch_size > 1 and draft_step is not None:
+            batched = learn_verify(batched, obs.batch_size, step, w)
+        else:
+            draft_step = step if draft_step is None else _ewma(draft_step, step, w)
     rtt = obs.rtt_s if est.observations == 0 else _ewma(est.rtt_s, obs.rtt_s, w)
     est = learn_pass(est, obs, w, target_cold)
-    return replace(est, alpha=alpha, draft_step_s=draft_step, rtt_s=rtt,
+    return replace(est, alpha=alpha, draft_step_s=draft_step, draft_batched=batched, rtt_s=rtt,
                    observations=est.observations + 1, accepted_count=accepted_count, tested_count=tested_count,
                    judged=est.judged + judged)
 
@@ -44,7 +47,8 @@ def learn_pass(est: Estimates, obs: RoundObservation, w: float, target_cold: boo
         verify_s = learn_verify(verify_s, obs.pass_rows - 1, obs.verify_s, w)
     elif not target_cold and not (obs.target_shared and is_measured(est)):
         verify_s = learn_verify(verify_s, obs.k, obs.verify_s, w)
-    batch = float(obs.batch_size) if est.observations == 0 else _ewma(est.batch, obs.batch_size, w)
+    # A pass of eight costs eight at once: the batch rises with a pass and falls off over a few (EWMA).
+    batch = float(obs.batch_size) if est.observations == 0 else max(float(obs.batch_size), _ewma(est.batch, obs.batch_size, w))
     return replace(est, verify_s=verify_s, batch=batch)
 
 
