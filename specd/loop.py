@@ -234,7 +234,7 @@ async def run_round(turn: _Turn, progress: _Progress) -> RoundResult:
         k = min(_choose_k(request, state.policy), remaining - 1)  # a round commits at most k + 1 tokens
         # 1. draft: from the tokens at hand, by the draft model, or not at all
         free = _free_draft(turn, state, min(request.policy.max_k, remaining - 1))
-        source, k = _drafter(request, state, k, free, services.drafter is not None, remaining)
+        source, k = _drafter(request, state, k, free, _model_drafts(turn, progress), remaining)
         drafting, outage, proposal = None, False, EMPTY_PROPOSAL
         if source == hybrid.FREE:
             proposal = model_free.proposal(free.tokens[:k], request.params.greedy)
@@ -377,6 +377,18 @@ def _drafter(request: GenerationRequest, state: SessionState, k: int, free: Draf
     lag = len(state.tokens) - state.draft.position  # what the draft model would catch up on first
     return hybrid.choose(request.drafter, policy.estimates, request.policy, k if model else 0, free.scores, lag,
                          remaining)
+
+
+def _model_drafts(turn: _Turn, progress: _Progress) -> bool:
+    """May the draft model draft this round? Not in an adaptive turn's first round: that round is the
+    target's prefill of the prompt, and the draft's own prefill would stand before the first token,
+    priced on the batch and timings of a deployment as it was (a new session's prior), not as the
+    session finds it; from the next round on, the policy and the hybrid choice decide. A pinned K or
+    `drafter: model` drafts from the first round."""
+    request = turn.request
+    if turn.services.drafter is None:
+        return False
+    return progress.stats.rounds > 0 or request.fixed_k is not None or request.drafter == hybrid.MODEL
 
 
 def _min_confidence(request: GenerationRequest) -> float:

@@ -241,6 +241,21 @@ def test_a_round_is_priced_by_the_batch_it_joins(sessions):
     assert round(done.session.policy.estimates.batch) == sessions
 
 
+def test_an_adaptive_turns_first_round_is_the_targets_prefill_alone():
+    """The draft model waits a round (its prefill would stand before the first token); a pinned K and
+    `drafter: model` draft from the first round."""
+    for req, drafts_first in ((GenerationRequest(PROMPT, StopRules(20), SamplingParams()), False),
+                              (request(max_tokens=20, k=3), True),
+                              (GenerationRequest(PROMPT, StopRules(20), SamplingParams(), drafter="model"), True)):
+        records: list[RoundRecord] = []
+        drafter = FakeDrafter(draft_rule(100))
+        prior = PolicyState(estimates=Estimates(draft_step_s=0.01, rtt_s=0.001,  # measured: no calibration rounds
+                                                verify_s=tuple((k, 0.04 + 0.002 * k) for k in range(17))))
+        done = run(req, drafter, FakeVerifier(target_rule), on_round=records.append, store=FakeStore(learned=prior))[-1]
+        assert list(done.token_ids) == target_alone(PROMPT, 20)
+        assert (records[0].drafter == "model") == drafts_first and any(r.drafter == "model" for r in records[1:])
+
+
 def test_speculation_off_never_calls_the_draft():
     drafter, verifier = FakeDrafter(draft_rule(5)), FakeVerifier(target_rule)
     done = run(request(max_tokens=12, k=0), drafter, verifier)[-1]
