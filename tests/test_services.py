@@ -352,7 +352,7 @@ def test_a_useless_draft_makes_the_session_fall_back(tmp_path, tiny_pair):
     assert reply.stats.fallbacks >= 1 and reply.stats.mode == "plain"
     drafting_rounds = reply.stats.drafted_per_position[0]
     assert drafting_rounds <= 10, f"the draft was called in {drafting_rounds} of {reply.stats.rounds} rounds"
-    assert summary.mode == "plain" and summary.alpha < 0.3
+    assert summary.mode == "plain" and summary.alpha < 0.35  # learnt from a few rounds' drafts: far below the 0.7 prior
 
 
 def _useless_run(c: Cluster):
