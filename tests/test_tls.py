@@ -52,7 +52,9 @@ def test_model_services_answer_only_the_coordinators_certificate(procs, tiny_pai
     (coord,) = procs(coordinator(target_dir, [draft.address], [target.address], redis_url, tmp_path,
                                  "--tls-dir", str(ours)))
     prompt, session = "Only the coordinator may ask.", "tls-victim"
-    request = coordinator_pb2.GenerateRequest(text=prompt, max_tokens=N, session_id=session, ignore_eos=True)
+    # drafter "model": the draft service is called from the first round (over TLS too), whatever the timings
+    request = coordinator_pb2.GenerateRequest(text=prompt, max_tokens=N, session_id=session, ignore_eos=True,
+                                              drafter="model")
     first = stub(coord).Complete(request, timeout=120)
     history = model.encode(prompt)
     assert list(first.token_ids) == target_alone(history, N) and first.stats.drafted_tokens > 0
