@@ -378,6 +378,7 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "bench_llama": llama("bench_llama"),
     "bench_llama_heldout": llama("bench_llama_heldout"),
     "bench_repeat": llama("bench_repeat"),
+    "bench_repeat_heldout": llama("bench_repeat_heldout"),
     "bench_repeat_target_alone": llama("bench_repeat_target_alone"),
     "round_parts": round_parts,
     "load": load_block,
