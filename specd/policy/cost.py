@@ -91,7 +91,13 @@ def draft_step(est: Estimates) -> float:
     if batch in measured:
         return measured[batch]
     below = max(b for b in measured if b < batch)
-    return measured[below] * pass_time(est, batch - 1) / pass_time(est, below - 1)
+    return grown(est, measured[below], below, batch)
+
+
+def grown(est: Estimates, seconds: float, positions: int, to: int) -> float:
+    """A draft pass of `positions` positions that took `seconds`, priced at `to` positions: grown as
+    the target's pass grows (both models' passes cost their rows alike; the draft reports no rows)."""
+    return seconds * pass_time(est, to - 1) / pass_time(est, positions - 1)
 
 
 def best_k(est: Estimates, config: PolicyConfig) -> tuple[int, float]:

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from specd.policy.base import PLAIN, Estimates, PolicyConfig, PolicyState, RoundObservation
-from specd.policy.cost import expected_tokens, is_measured, pass_time, round_time, verify_time
+from specd.policy.cost import expected_tokens, grown, is_measured, round_time, verify_time
 from specd.policy.learning import learn_pass
 
 AUTO, MODEL, FREE, NONE = "auto", "model", "ngram", "none"
@@ -54,14 +54,14 @@ def choose(drafter: str, est: Estimates, config: PolicyConfig, k: int, scores: S
     m, free_rate = free_choice(est, scores)
     if drafter == FREE:
         return (FREE, m) if m > 0 else (NONE, 0)
-    caught_up = lag <= CAUGHT_UP  # (else the draft model first runs a pass over what it lacks)
-    if k > 0 and not caught_up and is_measured(est) and model_rate(est, k, lag, remaining) < 1 / (verify_time(est, 0) + est.rtt_s):
-        k = 0  # the catch-up does not pay back in what is left of this request
+    rate = model_rate(est, k, lag, remaining) if k > 0 and is_measured(est) else math.nan
+    if lag > CAUGHT_UP and not math.isnan(rate) and rate < 1 / (verify_time(est, 0) + est.rtt_s):
+        k = 0  # the draft model's catch-up does not pay back in what is left of this request
     if m == 0:  # auto, and no model-free draft pays
         return (MODEL, k) if k > 0 else (NONE, 0)
     if k == 0 or math.isnan(free_rate):  # it pays against a plain step; nothing measured to weigh
         return FREE, m
-    return (FREE, m) if free_rate >= model_rate(est, k, lag, remaining) else (MODEL, k)
+    return (FREE, m) if free_rate >= rate else (MODEL, k)
 
 
 def model_rate(est: Estimates, k: int, lag: int, remaining: int) -> float:
@@ -74,9 +74,8 @@ def model_rate(est: Estimates, k: int, lag: int, remaining: int) -> float:
 
 
 def catch_up_time(est: Estimates, lag: int) -> float:
-    """The draft's pass over `lag` tokens: its step grown as the target's pass grows from one
-    position to `lag` (both models' passes cost their rows alike)."""
-    return est.draft_step_s * pass_time(est, lag - 1) / pass_time(est, 0)
+    """The draft's pass over `lag` tokens: its one-position step grown to `lag` positions."""
+    return grown(est, est.draft_step_s, 1, lag)
 
 
 def learn_free(est: Estimates, obs: RoundObservation, scores: Sequence[float], config: PolicyConfig) -> Estimates:
