@@ -256,10 +256,12 @@ def quality(name: str) -> Callable[[Path], str]:
 # -- the other benchmarks -------------------------------------------------------------------------
 
 def rows(results: Path) -> str:
-    runs = [load(results, "rows"), load(results, "rows_draft")]
+    runs = [load(results, "rows"), load(results, "rows_draft"), load(results, "rows_haswell")]
     counts = list(runs[0]["pass_s"])
-    body = [[f"{run['role']} ms", *(f"{run['pass_s'][n] * 1e3:.1f}" for n in counts),
-             f"{run['llama_server_per_token_s'] * 1e3:.1f}"] for run in runs]
+    body = [[f"{run['role']} ms" + (f" ({run['march']} build)" if run.get("march", "native") != "native" else ""),
+             *(f"{run['pass_s'][n] * 1e3:.1f}" for n in counts),
+             f"{run['llama_server_per_token_s'] * 1e3:.1f}" if "llama_server_per_token_s" in run else "—"]
+            for run in runs]
     head = para(f"One pass of a session holding {runs[0]['context']} tokens, by rows fed ({runs[0]['machine']['cpu']}, "
                 f"{runs[0]['threads']} threads, median of {runs[0]['repeats']}), and llama-server's own decoding "
                 "time per token on the same file (its `predicted_per_token_ms`):") + "\n"

@@ -5,7 +5,8 @@ count once, then again), so a slow minute of this shared host hits them all alik
     .venv/bin/python -m benchmarks.rows [--repeats 7] [--max-rows 16] [--role draft] [--model PATH]
                                         [--llama-server PATH]
 
-Writes benchmarks/results/rows.json (rows_draft.json): per row count the median pass time; with
+Writes benchmarks/results/rows.json (rows_draft.json; SPECD_MARCH=haswell adds _haswell: the AVX2
+build on this host): per row count the median pass time; with
 `--llama-server`, also llama.cpp's own decoding time per token on the same file and threads (its
 `predicted_per_token_ms`, generating LLAMA_TOKENS after the same held tokens), measured after ours.
 """
@@ -22,6 +23,7 @@ import urllib.request
 
 from benchmarks import llama_server
 from benchmarks.common import machine, write
+from specd import native
 from specd.engine import EngineConfig, ModelEngine
 from services.models import model_path
 
@@ -85,6 +87,7 @@ def main() -> None:
     engine = holding_context(ModelEngine(EngineConfig(path, threads=args.threads, quantize="auto")))
     result = {
         "benchmark": "rows", "model": path.name, "role": args.role, "numerics": engine.numerics.reason,
+        "march": native.default_march(),
         "threads": args.threads, "context": CONTEXT, "repeats": args.repeats, "machine": machine(),
         "pass_s": sweep(engine, args.max_rows, args.repeats),
     }
@@ -92,7 +95,8 @@ def main() -> None:
         del engine  # its cores and memory back before llama-server starts
         result["llama_server_per_token_s"] = llama_per_token_s(args.llama_server, path, args.threads, args.repeats)
     print(result)
-    print(f"wrote {write('rows' + ('' if args.role == 'target' else '_draft'), result)}")
+    name = "rows" + ("" if args.role == "target" else "_draft") + ("" if result["march"] == native.NATIVE else f"_{result['march']}")
+    print(f"wrote {write(name, result)}")
 
 
 if __name__ == "__main__":

@@ -53,7 +53,7 @@ class _Row(ctypes.Structure):
 class GGUFModel:
     """The decoder of a GGUF file: `forward(caches, inputs, keep)` as `ragged.forward`."""
 
-    def __init__(self, path: Path | str, march: str = native.NATIVE):
+    def __init__(self, path: Path | str, march: str | None = None):
         self.path = Path(path)
         self.meta = gguf_meta.read(self.path)
         self._file = np.memmap(self.path, dtype=np.uint8, mode="r")  # the weights: read where they lie
@@ -63,6 +63,7 @@ class GGUFModel:
         self._tensors = self.meta.tensors
         self.eos_token_ids: frozenset[int] = gguf_meta.eog_ids(self.meta)
         self.vocab_digest: str = gguf_meta.vocab_digest(self.meta)
+        march = march or native.default_march()
         self._library = _declare(native.library(march))
         self._march, self._packed = march, []  # the linears' repacked weights (quants.repack), kept alive here
         self._layers = (_Layer * self.hp.layers)(*(self._layer(i) for i in range(self.hp.layers)))

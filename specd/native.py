@@ -12,6 +12,7 @@ import ctypes
 import hashlib
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -22,12 +23,21 @@ CSRC = Path(__file__).with_name("csrc")
 SOURCES = ("quants.c", "decoder.c")
 FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 NATIVE = "native"  # -march: this CPU's widest path; "haswell" builds the AVX2 path (tests run both)
+MARCH_PATTERN = re.compile(r"[a-z0-9][a-z0-9_.-]{0,31}")
+
+
+def default_march() -> str:
+    """SPECD_MARCH (e.g. "haswell": the AVX2 build on an AVX-512 host, or one build for a mixed fleet), else native."""
+    march = os.environ.get("SPECD_MARCH", NATIVE)
+    if not MARCH_PATTERN.fullmatch(march):
+        raise RuntimeError(f"SPECD_MARCH must be a -march name such as haswell or native, not {march!r}")
+    return march
 
 
 def available() -> str | None:
     """None when the library builds and loads here, else why not."""
     try:
-        library()
+        library(default_march())
     except (OSError, RuntimeError) as error:
         return str(error)
     return None

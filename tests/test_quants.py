@@ -207,6 +207,47 @@ def test_packed_random_blocks_equal_float64(kind, march):
     assert_float64_product(got, raw, kind, x, n, k)
 
 
+
+def extreme_blocks(kind: T, n: int, k: int, scale_byte: int) -> np.ndarray:
+    """Blocks whose every stored integer is at its largest (nibbles 15, fifth bits set, Q6_K's
+    values 63) and whose sub-block scales are all `scale_byte`: the products the AVX2 build sums in
+    int16 at their bound."""
+    raw = random_blocks(kind, n, k, np.random.default_rng(0)).reshape(n, k // 256, -1)
+    if kind == T.Q6_K:
+        raw[..., :192] = 0xFF
+        raw[..., 192:208] = scale_byte  # int8 scales
+    else:
+        raw[..., 4:] = 0xFF
+        raw[..., 4:16] = scale_byte  # packed 6-bit scales and mins
+    return raw.reshape(n, -1)
+
+
+@pytest.mark.parametrize("kind", [T.Q4_K, T.Q5_K, T.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("march", MARCHES)
+@pytest.mark.parametrize("scale_byte", [0xFF, 0x80, 0x7F])
+def test_packed_extremes_equal_float64(kind, march, scale_byte):
+    """Largest weights times activations of +-127 everywhere (rows of one value quantise to -127
+    or 127): no partial sum of any build overflows, at any row count of a tile."""
+    n, k = 40, 512
+    raw = extreme_blocks(kind, n, k, scale_byte)
+    x = torch.ones(6, k) * torch.tensor([[1.0], [-1.0], [3.0], [-0.5], [1.0], [-1.0]])
+    x[4, 1::2] = -1.0  # alternating signs
+    got = quants.matmul(x, raw, kind, n, k, march=march, packed=True).numpy()
+    assert_float64_product(got, raw, kind, x, n, k)
+
+
+@pytest.mark.parametrize("kind", PACKED, ids=lambda t: t.name)
+def test_builds_agree_bit_for_bit(kind):
+    """The AVX2 build (maddubs with int16 sums) and this CPU's widest build take different integer
+    paths to the same exact integers, then the same float steps: equal bits, so a deployment that
+    mixes hosts verifies what its drafters computed."""
+    n, k = 70, 768
+    raw = random_blocks(kind, n, k, np.random.default_rng(int(kind)))
+    x = torch.cat([tricky_rows(k), torch.randn(10, k) * 5])
+    wide = quants.matmul(x, raw, kind, n, k, march=native.NATIVE, packed=True)
+    assert torch.equal(quants.matmul(x, raw, kind, n, k, march="haswell", packed=True), wide)
+
+
 # ---- (d) batch invariance ----
 
 def assert_rows_invariant(kind: T, march: str, packed: bool, n: int, k: int):
@@ -295,3 +336,16 @@ def test_registry_rows_match_gguf():
     for ggml_type, kind in quants.REGISTRY.items():
         assert (kind.block, kind.type_size) == gguf_quants.GGML_QUANT_SIZES[T(ggml_type)]
         assert quants.quant_type(ggml_type) is kind and T(ggml_type).name == kind.name
+
+
+def test_march_from_environment(monkeypatch):
+    """SPECD_MARCH picks the build (the AVX2 one on an AVX-512 host); anything but a -march name is
+    refused before it reaches the compiler's argv."""
+    monkeypatch.delenv("SPECD_MARCH", raising=False)
+    assert native.default_march() == native.NATIVE
+    monkeypatch.setenv("SPECD_MARCH", "haswell")
+    assert native.default_march() == "haswell"
+    for bad in ("haswell -o /tmp/x", "-fplugin=evil.so", "", "x" * 40):
+        monkeypatch.setenv("SPECD_MARCH", bad)
+        with pytest.raises(RuntimeError, match="SPECD_MARCH"):
+            native.default_march()
