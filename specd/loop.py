@@ -55,6 +55,7 @@ class GenerationRequest:
     fixed_k: int | None = None  # pinned by the request: no adaptation, no fallback; 0 = plain decoding
     bos: int | None = None  # the model's start token: leads a new session unless the prompt starts with it
     drafter: str = hybrid.AUTO  # auto | model | ngram | none: who drafts (specd/policy/hybrid.py)
+    max_context: int = 0  # the model's context: a turn the session would outgrow is refused (0: unchecked)
 
 
 @dataclass(frozen=True)
@@ -151,7 +152,7 @@ async def generate(
             if result.emitted:
                 yield Chunk(result.emitted, result.text)
         if progress.stats.rounds and request.fixed_k is None:
-            await services.store.remember(progress.state.policy)
+            await services.store.remember(progress.state.policy, turn.owner)
         checker = turn.checker
         if services.model_free:
             services.model_free.finished(turn.owner, checker.token_ids)
@@ -286,6 +287,7 @@ async def _open_turn(
     if replayed is not None:
         return state, stored, replayed
     tokens = (*state.tokens, *_session_start(state, request))
+    _check_context(len(tokens), request)
     turn = Turn(request_id, len(tokens), request_digest(request)) if request_id else None
     return replace(state, tokens=(*tokens, *request.prompt), requests=state.requests + 1, turn=turn), stored, ()
 
@@ -331,8 +333,18 @@ def _retried_turn(state: SessionState, request: GenerationRequest, request_id: s
     return state.tokens[turn.start + len(request.prompt):]
 
 
+def _check_context(held: int, request: GenerationRequest) -> None:
+    """Checked under the session's lease: two turns racing on one session cannot both pass on the
+    length each saw before the other began."""
+    asked = len(request.prompt) + request.rules.max_tokens
+    validate_that(not request.max_context or held + asked <= request.max_context,
+                  f"the session holds {held} tokens: with this prompt ({len(request.prompt)}) and max_tokens "
+                  f"({request.rules.max_tokens}) it would outgrow the model's context of {request.max_context}; "
+                  "lower max_tokens or start a new session")
+
+
 async def _start_from_prior(state: SessionState, store: SessionStore) -> SessionState:
-    prior = await store.prior()
+    prior = await store.prior(state.owner)
     return replace(state, policy=inherit(prior) if prior else state.policy)
 
 

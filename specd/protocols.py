@@ -45,8 +45,11 @@ class SessionStore(Protocol):
         """Read without taking the session over (no epoch bump)."""
         ...
 
-    async def prior(self) -> PolicyState | None:
-        """The policy a new session starts from: what the deployment learned last."""
+    async def prior(self, owner: str = "") -> PolicyState | None:
+        """The policy a new session of `owner` starts from: what that owner's sessions learned last,
+        else the deployment's (its start-up calibration, or the keyless owner's sessions)."""
         ...
 
-    async def remember(self, policy: PolicyState) -> None: ...
+    async def remember(self, policy: PolicyState, owner: str = "") -> None:
+        """Keep `policy` as `owner`'s prior: one tenant's traffic never sets another's start."""
+        ...

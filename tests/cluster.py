@@ -49,9 +49,10 @@ class Cluster:
         target_quantize: str = "none",
         quotas: QuotaLimits | None = None,  # per-key quotas (the coordinator's flags), off unless a test asks
         model_free: bool = True,  # the coordinator's --model-free (on by default, as there)
+        target_wait_s: float | None = None,  # how long a call waits for a target replica (the client's default)
     ):
         self.redis_url, self.keys, self.audit_rate, self.quota_limits = redis_url, keys, audit_rate, quotas
-        self.model_free = model_free
+        self.model_free, self.target_wait_s = model_free, target_wait_s
         self.draft = draft_dir and draft_server.DraftServicer.load(
             EngineConfig(draft_dir, dtype=dtype, quantize=draft_quantize), "draft"
         )
@@ -80,7 +81,7 @@ class Cluster:
                 self.servers.append(server)
         self.services = Services(
             GrpcDrafter([f"127.0.0.1:{ports['draft']}"]) if self.draft else None,
-            GrpcVerifier([f"127.0.0.1:{ports['target']}"]),
+            GrpcVerifier([f"127.0.0.1:{ports['target']}"], **({"retry_s": self.target_wait_s} if self.target_wait_s else {})),
             RedisSessionStore(self.redis_url),
             model_free=SuffixDrafter() if self.model_free else None,
         )

@@ -131,7 +131,8 @@ class FakeStore:
 
     sessions: dict[str, tuple[int, SessionState]] = field(default_factory=dict)
     saves: int = 0
-    learned: PolicyState | None = None
+    learned: PolicyState | None = None  # the deployment's prior
+    learned_by: dict[str, PolicyState] = field(default_factory=dict)  # each owner's own
 
     async def begin(self, session_id: str, create: bool, owner: str = "") -> tuple[Lease, SessionState]:
         if session_id not in self.sessions and not create:
@@ -157,8 +158,11 @@ class FakeStore:
         entry = self.sessions.get(session_id)
         return entry and entry[1]
 
-    async def prior(self) -> PolicyState | None:
-        return self.learned
+    async def prior(self, owner: str = "") -> PolicyState | None:
+        return self.learned_by.get(owner) or self.learned
 
-    async def remember(self, policy: PolicyState) -> None:
-        self.learned = policy
+    async def remember(self, policy: PolicyState, owner: str = "") -> None:
+        if owner:
+            self.learned_by[owner] = policy
+        else:
+            self.learned = policy

@@ -474,3 +474,23 @@ def test_a_retried_first_turn_keeps_its_start_token_once():
     done = turn(services, req, "first")[-1]
     assert list(done.token_ids) == target_alone([BOS, *PROMPT], 24)
     assert list(store.sessions["idem"][1].tokens) == [BOS, *PROMPT, *done.token_ids]
+
+
+def test_one_keys_plain_sessions_never_set_another_keys_start():
+    """Mallory's sessions, with a draft that is never right, end in plain mode and start her next ones
+    there; Alice's new session starts from the deployment's prior and speculates."""
+    prior = PolicyState(estimates=Estimates(draft_step_s=0.01, rtt_s=0.001,
+                                            verify_s=tuple((k, 0.04 + 0.002 * k) for k in range(17))))
+    store = FakeStore(learned=prior)
+    services = Services(FakeDrafter(lambda prefix: (target_rule(prefix) + 1) % 50, compute_s=0.01),
+                        FakeVerifier(target_rule, compute_s=0.04), store)
+    adaptive = GenerationRequest(PROMPT, StopRules(60), SamplingParams())
+
+    async def turn(owner: str) -> Finished:
+        return [e async for e in generate(adaptive, f"{owner}-s", services, decode, True, owner=owner)][-1]
+
+    assert asyncio.run(turn("mallory")).session.policy.mode == "plain"
+    assert store.learned_by["mallory"].mode == "plain" and store.learned is prior
+    alice = asyncio.run(turn("alice"))
+    assert list(alice.token_ids) == target_alone(PROMPT, 60)
+    assert alice.stats.drafted > 0 and store.learned is prior

@@ -114,11 +114,11 @@ def test_later_begin_fences_earlier_lease(server):
     sid = new_id()
 
     async def body(store):
-        lease_a, state = await store.begin(sid, create=True)
-        lease_b, _ = await store.begin(sid, create=False)
+        lease_a, state = await store.begin(sid, create=True, owner="b")
+        lease_b, _ = await store.begin(sid, create=False, owner="b")
         with pytest.raises(Fenced):
             await store.save(lease_a, dataclasses.replace(state, tokens=(9,)), appended_from=0)
-        await store.save(lease_b, dataclasses.replace(state, tokens=(1,), owner="b"), appended_from=0)
+        await store.save(lease_b, dataclasses.replace(state, tokens=(1,)), appended_from=0)
         assert await store.get(sid) == SessionState(session_id=sid, tokens=(1,), owner="b")
 
     run(server.url, body)
@@ -129,7 +129,7 @@ def test_appended_from_mismatch_writes_nothing(server):
     first = rich_state(sid, (1, 2))
 
     async def body(store):
-        lease, _ = await store.begin(sid, create=True)
+        lease, _ = await store.begin(sid, create=True, owner="key-7")
         await store.save(lease, first, appended_from=0)
         for wrong in (0, 1, 3):  # the store holds 2
             with pytest.raises(RuntimeError, match="holds 2 committed tokens"):
@@ -175,7 +175,7 @@ def test_state_survives_kill9_with_appendonly(tmp_path):
     saved = rich_state(sid, tuple(range(100, 140)))
 
     async def write(store):
-        lease, _ = await store.begin(sid, create=True)
+        lease, _ = await store.begin(sid, create=True, owner="key-7")
         await store.save(lease, saved, appended_from=0)
 
     async def read(store):
@@ -252,6 +252,17 @@ def test_only_the_key_that_created_a_session_can_take_it_over(server):
 
     assert run(server.url, body).tokens == (1, 2)
 
+
+def test_a_session_never_saved_is_still_its_owners(server):
+    """A first turn that fails before its first save (a model service down, a client gone) leaves
+    the session begun: it reads as its owner's, so the owner can retry it or release it."""
+    async def body(store):
+        sid = new_id()
+        await store.begin(sid, create=True, owner="alice")
+        return await store.get(sid)
+
+    held = run(server.url, body)
+    assert held is not None and held.owner == "alice" and held.tokens == ()
 
 def test_a_session_stored_before_the_owner_field_keeps_its_owner_from_the_state(server):
     async def body(store):
@@ -366,3 +377,18 @@ def test_specd_up_gives_its_redis_a_password_and_the_coordinator_gets_it_outside
     commands = up_commands(monkeypatch)
     assert not any("redis://" in arg for command in commands.values() for arg in command)
     assert up.without_password("redis://:pw@127.0.0.1:1/0") == "redis://127.0.0.1:1/0"
+
+
+def test_each_key_starts_from_its_own_prior_never_anothers(server):
+    """One tenant's low-acceptance traffic (its sessions end in plain mode) sets its own new sessions'
+    start, not everyone's: another key starts from the deployment's prior (start-up calibration)."""
+    deployment = PolicyState(k=5)
+    plain = PolicyState(mode=PLAIN, k=1)
+
+    async def body(store):
+        await store.remember(deployment)
+        await store.remember(plain, owner="mallory")
+        return await store.prior("alice"), await store.prior("mallory"), await store.prior()
+
+    alice, mallory, keyless = run(server.url, body, prefix=f"prior-{uuid.uuid4().hex}")
+    assert alice == deployment and keyless == deployment and mallory == plain

@@ -26,7 +26,6 @@ from specd.contracts import EngineInfo, ServiceUnavailable
 from specd.loop import Chunk, Finished, GenerationRequest, Services, generate
 from specd.policy import PolicyState
 from specd.session import SessionNotFound, SessionState
-from specd.validation import validate_that
 from services.common.metrics import CoordinatorMetrics
 from services.coordinator.model_info import ModelInfo
 from services.coordinator.quotas import Quotas, owner_tag
@@ -96,13 +95,8 @@ class Frontend:
         self, request: GenerationRequest, session_id: str, owner: str, request_id: str
     ) -> AsyncIterator[Chunk | Finished]:
         stored = scoped(session_id, owner) if session_id else ""
-        if session_id:
-            held = await self._owned_or_absent(stored, session_id, owner)
-            total = held + len(request.prompt) + request.rules.max_tokens
-            validate_that(total <= self.model.max_context,
-                          f"session {session_id!r} holds {held} tokens: with this prompt ({len(request.prompt)}) and "
-                          f"max_tokens ({request.rules.max_tokens}) it would outgrow the model's context of "
-                          f"{self.model.max_context}; lower max_tokens or start a new session")
+        if session_id:  # the context is checked under the session's lease (specd.loop), a retry's turn not twice
+            await self._owned_or_absent(stored, session_id, owner)
         named = stored or uuid.uuid4().hex
         admitted = (self.quotas.admit(owner, len(request.prompt), request.rules.max_tokens, stored)
                     if self.quotas else contextlib.nullcontext())
@@ -153,12 +147,11 @@ class Frontend:
         answers = await self.services.verifier.engines()
         return [a if isinstance(a, EngineInfo) else _why(a) for a in answers]
 
-    async def _owned_or_absent(self, stored: str, session_id: str, owner: str) -> int:
-        """The tokens the session holds (0: a new one); not found if another key owns it."""
+    async def _owned_or_absent(self, stored: str, session_id: str, owner: str) -> None:
+        """Not found if another key owns the session (before any quota or lease is spent on it)."""
         state = await self.services.store.get(stored)
         if state is not None and state.owner != owner:
             raise SessionNotFound(f"no session {session_id!r} (released, expired, or not yours)")
-        return len(state.tokens) if state else 0
 
 
 def _why(error: BaseException) -> str:

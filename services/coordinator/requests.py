@@ -92,7 +92,8 @@ def generation_request(req: ClientRequest, model: ModelInfo, limits: Limits) -> 
     bos = model.bos_token_id if req.token_ids is None else None  # token ids are taken as given
     drafter = req.drafter or hybrid.AUTO
     validate_that(drafter in hybrid.DRAFTERS, f"drafter must be one of {', '.join(hybrid.DRAFTERS)}")
-    return GenerationRequest(tuple(prompt), rules, params, policy_config(limits, max_k), fixed_k, bos, drafter)
+    return GenerationRequest(tuple(prompt), rules, params, policy_config(limits, max_k), fixed_k, bos, drafter,
+                             model.max_context)
 
 
 def policy_config(limits: Limits, max_k: int) -> PolicyConfig:

@@ -6,8 +6,9 @@ Two keys per session, hash-tagged on the session id so a Redis Cluster keeps the
                           state (JSON of SessionState minus tokens)
   {prefix}:{<id>}:tokens  string: committed token ids as little-endian uint32, append-only
 Each `begin` and `save` is one Lua script, so a save is all-or-nothing and checked against the epoch.
-One more key, {prefix}:policy-prior, holds the policy of the latest finished session: new sessions
-start from it (`specd.policy.inherit`).
+{prefix}:policy-prior holds the deployment's policy (start-up calibration, or the keyless owner's
+latest finished session) and {prefix}:policy-prior:<key's tag> each key's own latest: a key's new
+sessions start from its own, else the deployment's (`specd.policy.inherit`).
 Redis errors other than fencing and a length mismatch propagate; the coordinator maps them.
 """
 
@@ -26,6 +27,7 @@ from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError, ResponseError, TimeoutError
 
 from specd.policy import PolicyState
+from services.coordinator.quotas import owner_tag
 from specd.session import Fenced, Lease, SessionNotFound, SessionState
 
 # KEYS: meta, tokens. ARGV: create ("1"/"0"), ttl_ms, owner. Returns nil (unknown id, or another
@@ -123,17 +125,26 @@ class RedisSessionStore:
         """Read without taking a lease (no epoch bump): for inspection and tests."""
         meta, tokens = self._keys(session_id)
         async with self._redis.pipeline(transaction=True) as pipe:
-            exists, state_json, token_bytes = await pipe.exists(meta).hget(meta, "state").get(tokens).execute()
+            exists, state_json, owner, token_bytes = await (
+                pipe.exists(meta).hget(meta, "state").hget(meta, "owner").get(tokens).execute())
         if not exists:
             return None
-        return decode_state(session_id, state_json or b"", token_bytes or b"")
+        state = decode_state(session_id, state_json or b"", token_bytes or b"")
+        # `begin` writes the owner before any save: a session whose first turn failed is still its owner's
+        return dataclasses.replace(state, owner=owner.decode()) if owner is not None else state
 
-    async def prior(self) -> PolicyState | None:
-        raw = await self._redis.get(f"{self._prefix}:policy-prior")
+    def _prior_key(self, owner: str) -> str:
+        return f"{self._prefix}:policy-prior" + (f":{owner_tag(owner)}" if owner else "")
+
+    async def prior(self, owner: str = "") -> PolicyState | None:
+        raws = await self._redis.mget([self._prior_key(owner), self._prior_key("")])
+        raw = next((r for r in raws if r), None)
         return from_jsonable(PolicyState, json.loads(raw)) if raw else None
 
-    async def remember(self, policy: PolicyState) -> None:
-        await self._redis.set(f"{self._prefix}:policy-prior", json.dumps(dataclasses.asdict(policy)))
+    async def remember(self, policy: PolicyState, owner: str = "") -> None:
+        # a key's prior lives as long as its sessions would; the deployment's stays
+        expiry = {"px": self._ttl_ms} if owner else {}
+        await self._redis.set(self._prior_key(owner), json.dumps(dataclasses.asdict(policy)), **expiry)
 
     async def close(self) -> None:
         await self._redis.aclose()

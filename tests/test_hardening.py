@@ -1,0 +1,75 @@
+"""Issue 31's tenant-facing bugs, each reproduced against real servers on loopback (draft, target,
+coordinator with its REST gateway, a real Redis; the tiny pair in float64) and each now answered as a
+client should be: a session never locks out its owner, a retried turn is not refused for its own
+tokens, and what is not the client's fault is not a 4xx (nor a client's fault a 500)."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from services.coordinator.auth import ApiKeys
+from services.coordinator.quotas import QuotaLimits
+from tests.cluster import MODEL_NAME, Cluster
+
+ALICE = "alice-key-0123456789abcdef"
+
+
+def keys(tmp_path_factory) -> ApiKeys:
+    path = tmp_path_factory.mktemp("keys") / "api-keys"
+    path.write_text(f"alice:{ALICE}\n")
+    return ApiKeys.from_file(path)
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_pair, redis_url, tmp_path_factory):
+    c = Cluster(*tiny_pair, redis_url, keys=keys(tmp_path_factory))
+    yield c
+    c.close()
+
+
+def http(cluster: Cluster) -> httpx.Client:
+    return httpx.Client(base_url=cluster.base_url, headers={"Authorization": f"Bearer {ALICE}"}, timeout=60)
+
+
+def turn(session: str, prompt, max_tokens: int = 4) -> dict:
+    return {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "session_id": session,
+            "temperature": 0, "ignore_eos": True}
+
+
+def test_a_session_whose_first_turn_failed_is_still_its_owners(tiny_pair, redis_url, tmp_path_factory):
+    """The target is down for a named session's first turn: 503, and the session it began is still the
+    owner's to retry (503 again, not 404), to read and to release, which frees its session slot."""
+    c = Cluster(*tiny_pair, redis_url, keys=keys(tmp_path_factory), quotas=QuotaLimits(sessions=1),
+                target_wait_s=0.5)
+    try:
+        c._run(c.servers[1].stop(0))  # the target's server: no replica answers from now on
+        session = f"first-fails-{time.time_ns()}"
+        with http(c) as client:
+            for _ in range(2):
+                failed = client.post("/v1/completions", json=turn(session, "Hello"))
+                assert failed.status_code == 503, failed.text
+            assert client.get(f"/v1/sessions/{session}").json()["length"] == 0
+            assert client.delete(f"/v1/sessions/{session}").status_code == 200
+            other = client.post("/v1/completions", json=turn(f"{session}-b", "Hello"))
+            assert other.status_code == 503, other.text  # the slot came back: not a 429 for the quota
+    finally:
+        c.close()
+
+
+def test_an_idempotent_retry_near_the_context_limit_is_served(cluster):
+    """A turn that fits is admitted; its retry (same Idempotency-Key) is the same turn, not one more:
+    the session already holding it does not make the retry outgrow the context."""
+    session = f"near-limit-{time.time_ns()}"
+    context = cluster.model.max_context
+    with http(cluster) as client:
+        assert client.post("/v1/completions", json=turn(session, [7] * (context // 2))).status_code == 200
+        retried = turn(session, [8] * (context // 2 - 16), max_tokens=8)
+        first = client.post("/v1/completions", json=retried, headers={"Idempotency-Key": "turn-2"})
+        again = client.post("/v1/completions", json=retried, headers={"Idempotency-Key": "turn-2"})
+        assert first.status_code == 200 and again.status_code == 200, again.text
+        assert again.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
+        too_long = client.post("/v1/completions", json=turn(session, [9] * 16))  # a new turn still is refused
+        assert too_long.status_code == 400 and "outgrow the model's context" in too_long.json()["error"]["message"]
