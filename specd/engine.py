@@ -28,6 +28,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 from specd import fused, gguf_model, kernels, numerics, ragged
 from specd.contracts import ContextTooLong, EngineError, PositionMismatch, SessionsFull  # noqa: F401 (raised here)
+from specd.validation import InvalidParams
 
 DTYPES = {
     "float32": torch.float32,
@@ -245,7 +246,7 @@ class ModelEngine:
     def truncate(self, session_id: str, pos: int) -> None:
         """Drop tokens from `pos` on. Idempotent; pos >= length (or an unknown session) is a no-op."""
         if pos < 0:
-            raise ValueError(f"truncate position must be >= 0, got {pos}")
+            raise InvalidParams(f"truncate position must be >= 0, got {pos}")
         session = self._sessions.get(session_id)
         if session is None or pos >= len(session.tokens):
             return
@@ -313,7 +314,7 @@ class ModelEngine:
     def _check_tokens(self, tokens: Sequence[int]) -> None:
         bad = [t for t in tokens if not 0 <= t < self.vocab_size]
         if bad:
-            raise ValueError(f"token ids must be in [0, {self.vocab_size}); got {bad[:5]}")
+            raise InvalidParams(f"token ids must be in [0, {self.vocab_size}); got {bad[:5]}")
 
 
 def _feed_from(session: _Session, extra: Sequence[int], refeed: bool) -> int:

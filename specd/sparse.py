@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from specd.contracts import SparseDist  # re-exported: the wire type lives in specd/contracts.py
+from specd.validation import InvalidParams
 
 MAX_SUPPORT = 4096
 TAIL_MASS = 1e-4
@@ -38,13 +39,13 @@ def decode(dist: SparseDist, vocab_size: int) -> torch.Tensor:
     ids = np.frombuffer(dist.token_ids, dtype="<i4")
     probs = np.frombuffer(dist.probs, dtype="<f2").astype(np.float64)
     if ids.shape != probs.shape or ids.size == 0:
-        raise ValueError("draft distribution: token_ids and probs must be non-empty and the same length")
+        raise InvalidParams("draft distribution: token_ids and probs must be non-empty and the same length")
     if np.unique(ids).size != ids.size:
-        raise ValueError("draft distribution: token ids must be distinct")
+        raise InvalidParams("draft distribution: token ids must be distinct")
     if ids.min() < 0 or ids.max() >= vocab_size:
-        raise ValueError(f"draft distribution: token id outside [0, {vocab_size})")
+        raise InvalidParams(f"draft distribution: token id outside [0, {vocab_size})")
     if not np.isfinite(probs).all() or (probs < 0).any() or probs.sum() <= 0:
-        raise ValueError("draft distribution: probabilities must be finite, >= 0 and not all zero")
+        raise InvalidParams("draft distribution: probabilities must be finite, >= 0 and not all zero")
     q = torch.zeros(vocab_size, dtype=torch.float64)
     q[torch.from_numpy(ids.astype(np.int64))] = torch.from_numpy(probs)
     return q / q.sum()

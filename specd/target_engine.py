@@ -20,6 +20,7 @@ from specd.contracts import Proposal, VerifyReply, VerifyRequest
 from specd.role_engine import RoleEngine, checked_then_together
 from specd.sampling import uniforms, warp
 from specd.verify import verify, verify_greedy
+from specd.validation import InvalidParams
 
 ACCEPT_STREAM, SAMPLE_STREAM = "accept", "sample"
 
@@ -73,10 +74,10 @@ def _dense_q(proposal: Proposal, vocab_size: int) -> torch.Tensor:
     if not proposal.tokens:
         return torch.empty(0, vocab_size, dtype=torch.float64)
     if len(proposal.q) != len(proposal.tokens):
-        raise ValueError("a sampled proposal needs one draft distribution per draft token")
+        raise InvalidParams("a sampled proposal needs one draft distribution per draft token")
     q = torch.stack([sparse.decode(row, vocab_size) for row in proposal.q])  # [K, vocab]
     drafted = torch.tensor(proposal.tokens)  # [K]
     # A draft token the draft could not have sampled would break the accept test's premise.
     if bool((q.gather(1, drafted[:, None]) <= 0).any()):
-        raise ValueError("each draft token must have positive probability in its draft distribution")
+        raise InvalidParams("each draft token must have positive probability in its draft distribution")
     return q

@@ -73,3 +73,38 @@ def test_an_idempotent_retry_near_the_context_limit_is_served(cluster):
         assert again.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
         too_long = client.post("/v1/completions", json=turn(session, [9] * 16))  # a new turn still is refused
         assert too_long.status_code == 400 and "outgrow the model's context" in too_long.json()["error"]["message"]
+
+
+def test_a_model_services_own_bug_is_internal_and_a_refusal_is_invalid_argument():
+    """A bare ValueError below a model service's edge is a bug (INTERNAL, its text kept in the log);
+    only what the service refused on purpose (InvalidParams, an outgrown context) is the caller's."""
+    import asyncio
+
+    import grpc
+
+    from services.common.errors import grpc_errors
+    from specd.contracts import ContextTooLong
+    from specd.validation import InvalidParams
+
+    class Aborted(Exception):
+        pass
+
+    class Context:
+        async def abort(self, code, details):
+            self.code, self.details = code, details
+            raise Aborted
+
+    @grpc_errors
+    async def method(self, error, context):
+        raise error
+
+    def status(error: Exception) -> tuple[grpc.StatusCode, str]:
+        context = Context()
+        with pytest.raises(Aborted):
+            asyncio.run(method(None, error, context))
+        return context.code, context.details
+
+    assert status(ValueError("operands could not be broadcast together")) == (
+        grpc.StatusCode.INTERNAL, "internal error (logged by the service)")
+    assert status(InvalidParams("k must be in [1, 32]")) == (grpc.StatusCode.INVALID_ARGUMENT, "k must be in [1, 32]")
+    assert status(ContextTooLong("300 tokens exceed max_context=256"))[0] == grpc.StatusCode.INVALID_ARGUMENT

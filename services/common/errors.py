@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Awaitable, Callable, TypeVar
 
 import grpc
 
 from specd.contracts import StaleSession
 from specd.contracts import ContextTooLong, PositionMismatch, SessionsFull
+from specd.validation import InvalidParams
 
 POSITION_KEY = "specd-position"
+log = logging.getLogger(__name__)
 R = TypeVar("R")
 
 
@@ -19,7 +22,8 @@ class Draining(Exception):
 
 
 def grpc_errors(method: Callable[..., Awaitable[R]]) -> Callable[..., Awaitable[R]]:
-    """Servicer decorator: bad input -> INVALID_ARGUMENT, lost prefix -> FAILED_PRECONDITION, ..."""
+    """Servicer decorator: refused input -> INVALID_ARGUMENT, lost prefix -> FAILED_PRECONDITION, ...;
+    any other ValueError is ours -> INTERNAL."""
 
     @functools.wraps(method)
     async def wrapper(self, request, context: grpc.aio.ServicerContext):
@@ -32,8 +36,11 @@ def grpc_errors(method: Callable[..., Awaitable[R]]) -> Callable[..., Awaitable[
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         except SessionsFull as e:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-        except (ValueError, ContextTooLong) as e:
+        except (InvalidParams, ContextTooLong) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except ValueError:  # not a request we refused on purpose: a bug, which a client must not read as its own
+            log.exception("%s failed", method.__name__)
+            await context.abort(grpc.StatusCode.INTERNAL, "internal error (logged by the service)")
 
     return wrapper
 
