@@ -108,3 +108,22 @@ def test_a_model_services_own_bug_is_internal_and_a_refusal_is_invalid_argument(
         grpc.StatusCode.INTERNAL, "internal error (logged by the service)")
     assert status(InvalidParams("k must be in [1, 32]")) == (grpc.StatusCode.INVALID_ARGUMENT, "k must be in [1, 32]")
     assert status(ContextTooLong("300 tokens exceed max_context=256"))[0] == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_chat_messages_are_bounded_in_characters_before_they_are_rendered(cluster):
+    """A chat body under the body limit but with more characters than a prompt may have is refused
+    by its size, before the chat template or the tokenizer spend time on it."""
+    rendered = []
+    model = cluster.frontend.model
+    original = model.chat_prompt
+    object.__setattr__(model, "chat_prompt", lambda messages: rendered.append(1) or original(messages))
+    try:
+        half = "word " * (cluster.limits.max_prompt_chars // 10 + 1)
+        body = {"model": MODEL_NAME, "max_tokens": 2,
+                "messages": [{"role": "user", "content": half}, {"role": "user", "content": half}]}
+        with http(cluster) as client:
+            refused = client.post("/v1/chat/completions", json=body)
+        assert refused.status_code == 400 and "characters in all" in refused.json()["error"]["message"]
+        assert rendered == []
+    finally:
+        object.__delattr__(model, "chat_prompt")

@@ -92,7 +92,7 @@ def create_app(frontend: Frontend, keys: ApiKeys, model_name: str, max_body_byte
     @app.post("/v1/chat/completions", tags=["openai"])
     async def chat_completions(body: ChatCompletionRequest, request: Request, who: str = Depends(owner)):
         served(body.model)
-        client_request = openai_api.chat_request(body, frontend.model)
+        client_request = await asyncio.to_thread(openai_api.chat_request, body, frontend.model, frontend.limits)
         return await _respond(frontend, Reply("chat", model_name), body, client_request, who, request)
 
     @app.get("/v1/sessions/{session_id}", tags=["specd"])
@@ -144,7 +144,8 @@ def _openapi(app: FastAPI, model_name: str) -> dict:
 
 async def _respond(frontend: Frontend, reply: Reply, body, client_request, owner: str, request: Request):
     client_request = replace(client_request, request_id=request.headers.get("idempotency-key", ""))
-    generation = requests.generation_request(client_request, frontend.model, frontend.limits)
+    # tokenising is work a request's size decides: in a thread, so no body stalls the other streams
+    generation = await asyncio.to_thread(requests.generation_request, client_request, frontend.model, frontend.limits)
     reply.prompt_tokens, reply.session_id = len(generation.prompt), client_request.session_id
     events = frontend.generate(generation, client_request.session_id, owner, client_request.request_id)
     if body.stream:

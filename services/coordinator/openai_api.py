@@ -20,7 +20,7 @@ from specd.loop import Finished
 from specd.session import SessionStats
 from specd.validation import valid_text, validate_that
 from services.coordinator.model_info import ModelInfo
-from services.coordinator.requests import ClientRequest
+from services.coordinator.requests import ClientRequest, Limits
 
 MAX_MESSAGES = 256
 MAX_STOP = 64  # list lengths are bounded here; requests.py applies the real limit with a clear message
@@ -92,12 +92,16 @@ def completion_request(body: CompletionRequest) -> ClientRequest:
     return _client_request(body, text=text, token_ids=token_ids, max_tokens=max_tokens)
 
 
-def chat_request(body: ChatCompletionRequest, model: ModelInfo) -> ClientRequest:
+def chat_request(body: ChatCompletionRequest, model: ModelInfo, limits: Limits) -> ClientRequest:
+    """Rendered and tokenised here: call it off the event loop (its work grows with the messages)."""
     _refuse_unsupported(body)
     validate_that(body.tools is None and body.tool_choice is None, "tools are not supported")
     validate_that(body.response_format in (None, {"type": "text"}), "response_format is not supported")
     validate_that(model.chat_template is not None, "this model has no chat template: use /v1/completions")
     messages = [{"role": m.role, "content": _message_text(m)} for m in body.messages]
+    chars = sum(len(m["content"]) for m in messages)
+    validate_that(chars <= limits.max_prompt_chars,  # before the template and tokenizer see them
+                  f"the messages must hold at most {limits.max_prompt_chars} characters in all, not {chars}")
     token_ids = model.chat_prompt(messages)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     return _client_request(body, token_ids=tuple(token_ids), max_tokens=max_tokens)

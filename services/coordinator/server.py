@@ -5,6 +5,7 @@ Stateless: every session lives in the store (Redis), so any replica can serve an
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from typing import AsyncIterator
 
@@ -71,7 +72,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
     async def _validated(self, request, context: grpc.aio.ServicerContext) -> GenerationRequest:
         async with _statuses(context, request.session_id):
-            return requests.generation_request(convert.client_request(request), self.frontend.model, self.frontend.limits)
+            return await asyncio.to_thread(requests.generation_request, convert.client_request(request),
+                                           self.frontend.model, self.frontend.limits)  # tokenising: off the event loop
 
     async def _events(
         self, generation: GenerationRequest, request: coordinator_pb2.GenerateRequest, owner: str,
