@@ -147,7 +147,7 @@ def test_stop_string_ends_the_text(client):
 
 
 def test_openapi_spec_is_served(cluster):
-    spec = http(cluster, None).get("/openapi.json").json()
+    spec = http(cluster).get("/openapi.json").json()
     assert {"/v1/completions", "/v1/chat/completions", "/v1/models"} <= set(spec["paths"])
 
 

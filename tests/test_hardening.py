@@ -51,6 +51,8 @@ def test_a_session_whose_first_turn_failed_is_still_its_owners(tiny_pair, redis_
             for _ in range(2):
                 failed = client.post("/v1/completions", json=turn(session, "Hello"))
                 assert failed.status_code == 503, failed.text
+                message = failed.json()["error"]["message"]  # stable words and an id; no address, no Redis
+                assert "error id" in message and "127.0.0.1" not in message and "target" not in message
             assert client.get(f"/v1/sessions/{session}").json()["length"] == 0
             assert client.delete(f"/v1/sessions/{session}").status_code == 200
             other = client.post("/v1/completions", json=turn(f"{session}-b", "Hello"))
@@ -127,3 +129,16 @@ def test_chat_messages_are_bounded_in_characters_before_they_are_rendered(cluste
         assert rendered == []
     finally:
         object.__delattr__(model, "chat_prompt")
+
+
+
+def test_what_the_edge_says_of_itself_needs_a_key_and_probes_do_not(cluster):
+    """With API keys, the metrics, the OpenAPI spec and its docs pages need one (a scraper uses the
+    coordinator's --metrics-port); the liveness probe never does."""
+    with httpx.Client(base_url=cluster.base_url, timeout=30) as anonymous, http(cluster) as alice:
+        assert anonymous.get("/health").status_code == 200
+        for path in ("/metrics", "/openapi.json"):
+            assert anonymous.get(path).status_code == 401, path
+            assert alice.get(path).status_code == 200, path
+        for path in ("/docs", "/redoc"):
+            assert anonymous.get(path).status_code == 404 and alice.get(path).status_code == 404, path

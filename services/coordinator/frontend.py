@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import logging
 import uuid
 from contextlib import AbstractContextManager
 from dataclasses import replace
@@ -32,6 +33,7 @@ from services.coordinator.quotas import Quotas, owner_tag
 from services.coordinator.requests import Limits, policy_config
 
 tracer = trace.get_tracer(__name__)
+log = logging.getLogger(__name__)
 
 
 class Failure(enum.Enum):
@@ -56,16 +58,23 @@ _GRPC_FAILURES = {grpc.StatusCode.UNAVAILABLE: Failure.UNAVAILABLE, grpc.StatusC
 
 @contextlib.contextmanager
 def translated() -> Iterator[None]:
-    """Model-service and store errors as `DownstreamFailed`."""
+    """Model-service and store errors as `DownstreamFailed`: a stable message and an error id for the
+    client; the detail (addresses, internal ids, Redis's words) only in the log, under that id."""
     try:
         yield
     except ServiceUnavailable as e:
-        raise DownstreamFailed(Failure.UNAVAILABLE, f"{e} (the session is kept: retry it)") from e
+        raise _failed(Failure.UNAVAILABLE, "no model replica answered; the session is kept: retry it", e) from e
     except grpc.aio.AioRpcError as e:
         failure = _GRPC_FAILURES.get(e.code(), Failure.INTERNAL)
-        raise DownstreamFailed(failure, f"model service failed: {e.code().name}: {e.details()}") from e
+        raise _failed(failure, f"a model service failed ({e.code().name})", e) from e
     except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as e:
-        raise DownstreamFailed(Failure.UNAVAILABLE, f"session store unreachable: {e}") from e
+        raise _failed(Failure.UNAVAILABLE, "the session store is unreachable; retry it", e) from e
+
+
+def _failed(failure: Failure, message: str, cause: BaseException) -> DownstreamFailed:
+    error_id = uuid.uuid4().hex[:16]
+    log.warning("error %s: %s: %s", error_id, message, cause)
+    return DownstreamFailed(failure, f"{message} (error id {error_id})")
 
 
 def scoped(session_id: str, owner: str) -> str:

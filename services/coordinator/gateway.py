@@ -14,7 +14,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
+import uuid
 from dataclasses import replace
 from typing import AsyncIterator, Awaitable, TypeVar
 
@@ -42,6 +44,7 @@ DEFAULT_HTTP_PORT = 8000
 MAX_BODY_BYTES = 1024 * 1024
 CLIENT_CLOSED = 499  # nginx's code for a client that closed the connection before the response
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 # A downstream failure as an HTTP status: capacity and deadlines are the client's to retry.
 FAILURE_STATUS = {Failure.UNAVAILABLE: 503, Failure.EXHAUSTED: 429, Failure.DEADLINE: 504, Failure.INTERNAL: 500}
@@ -52,11 +55,14 @@ class ModelNotFound(Exception):
 
 
 def create_app(frontend: Frontend, keys: ApiKeys, model_name: str, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    guarded = keys.required  # with keys, what the edge says of itself (spec, metrics) needs one too
     app = FastAPI(
         title="specd",
         version="1",
         summary="Lossless speculative decoding, OpenAI-compatible",
         description="Greedy output is token-identical to the target model alone; sampled output has its distribution.",
+        openapi_url=None if guarded else "/openapi.json", docs_url=None if guarded else "/docs",
+        redoc_url=None if guarded else "/redoc",
     )
     bearer = HTTPBearer(auto_error=False, description="An API key from the deployment's key file")
 
@@ -73,9 +79,15 @@ def create_app(frontend: Frontend, keys: ApiKeys, model_name: str, max_body_byte
         return {"status": "ok"}
 
     @app.get("/metrics", tags=["ops"], include_in_schema=False)
-    async def metrics() -> Response:
+    async def metrics(who: str = Depends(owner)) -> Response:
+        """Keyless scraping: the coordinator's --metrics-port, a port of its own."""
         body, content_type = exposition(frontend.metrics.registry)
         return Response(body, media_type=content_type)
+
+    if guarded:
+        @app.get("/openapi.json", include_in_schema=False)
+        async def spec(who: str = Depends(owner)) -> dict:
+            return app.openapi()
 
     @app.get("/v1/models", tags=["openai"])
     async def models(who: str = Depends(owner)) -> dict:
@@ -229,7 +241,9 @@ def _error(error: Exception) -> tuple[int, dict]:
         return 409, error_body("the session was taken over by a newer request", "conflict_error")
     if isinstance(error, DownstreamFailed):
         return FAILURE_STATUS[error.failure], error_body(str(error), "server_error")
-    return 500, error_body("internal error", "server_error")
+    error_id = uuid.uuid4().hex[:16]
+    log.error("error %s: %r", error_id, error, exc_info=error)
+    return 500, error_body(f"internal error (error id {error_id})", "server_error")
 
 
 def _message(error: Exception) -> str:
@@ -306,9 +320,12 @@ class HttpServer(uvicorn.Server):
         yield
 
     @classmethod
-    async def start(cls, app: FastAPI, host: str, port: int) -> tuple["HttpServer", int]:
-        """Start serving; returns the server and its bound port (0 picks a free one)."""
-        server = cls(uvicorn.Config(app, host=host, port=port, lifespan="off", log_level="warning"))
+    async def start(cls, app: FastAPI, host: str, port: int, ssl_certfile: str | None = None,
+                    ssl_keyfile: str | None = None) -> tuple["HttpServer", int]:
+        """Start serving (https with a certificate chain and its key, PEM); returns the server and
+        its bound port (0 picks a free one). `server.config.ssl` is the TLS context then."""
+        server = cls(uvicorn.Config(app, host=host, port=port, lifespan="off", log_level="warning",
+                                    ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile))
         server.task = asyncio.create_task(server.serve())
         while not server.started:
             if server.task.done():  # failed to bind: raise its error
