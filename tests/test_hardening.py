@@ -142,3 +142,57 @@ def test_what_the_edge_says_of_itself_needs_a_key_and_probes_do_not(cluster):
             assert alice.get(path).status_code == 200, path
         for path in ("/docs", "/redoc"):
             assert anonymous.get(path).status_code == 404 and alice.get(path).status_code == 404, path
+
+
+def test_a_request_past_the_time_limit_ends_and_gives_its_slot_back(tiny_pair, redis_url, tmp_path_factory):
+    """A streamed and a plain request that would run past the edge's time limit end (an error event,
+    a 504), and the key's one in-flight slot is free again at once."""
+    from services.coordinator.requests import Limits
+
+    c = Cluster(*tiny_pair, redis_url, keys=keys(tmp_path_factory), quotas=QuotaLimits(in_flight=1),
+                limits=Limits(request_timeout_s=0.3))
+    try:
+        long = {"model": MODEL_NAME, "prompt": "Once", "max_tokens": c.model.max_context - 8, "temperature": 0,
+                "ignore_eos": True, "speculation": False}  # a round a token, each saved: well past 0.3 s
+        with http(c) as client:
+            start = time.monotonic()
+            with client.stream("POST", "/v1/completions", json=long | {"stream": True}) as streamed:
+                events = [line for line in streamed.iter_lines() if line.startswith("data: ")]
+            assert '"code":"timeout"' in events[-2] and events[-1] == "data: [DONE]"
+            plain = client.post("/v1/completions", json=long)
+            assert plain.status_code == 504 and plain.json()["error"]["code"] == "timeout"
+            assert time.monotonic() - start < 30
+            short = client.post("/v1/completions", json=long | {"max_tokens": 2})
+            assert short.status_code == 200, short.text  # not 429: the slot came back
+    finally:
+        c.close()
+
+
+def test_a_stream_whose_client_stops_reading_ends_and_closes_its_generation():
+    """A write that waits on a client past the stall limit ends the stream and closes the generator
+    (in the gateway: the loop's generation, its quota slot with it)."""
+    import asyncio
+
+    from services.coordinator.gateway import BoundedStream
+    from services.coordinator.requests import Limits
+
+    closed = []
+
+    async def tokens():
+        try:
+            for i in range(1000):
+                yield f"data: {i}\n\n"
+        finally:
+            closed.append(True)
+
+    async def stalled_client(message):
+        if message.get("body"):  # the first chunk fills the socket; the rest never leaves
+            await asyncio.Event().wait()
+
+    async def serve():
+        deadline = asyncio.get_running_loop().time() + 60
+        stream = BoundedStream(tokens(), Limits(stream_stall_s=0.2), deadline, media_type="text/event-stream")
+        await asyncio.wait_for(stream.stream_response(stalled_client), 5)
+
+    asyncio.run(serve())
+    assert closed == [True]

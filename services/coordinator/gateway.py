@@ -160,12 +160,23 @@ async def _respond(frontend: Frontend, reply: Reply, body, client_request, owner
     generation = await asyncio.to_thread(requests.generation_request, client_request, frontend.model, frontend.limits)
     reply.prompt_tokens, reply.session_id = len(generation.prompt), client_request.session_id
     events = frontend.generate(generation, client_request.session_id, owner, client_request.request_id)
-    if body.stream:
-        return await _stream(events, reply, openai_api.include_usage(body))
-    done = await _until_disconnected(request, _last(events))
+    limits = frontend.limits
+    deadline = asyncio.get_running_loop().time() + limits.request_timeout_s
+    try:
+        async with asyncio.timeout_at(deadline):
+            if body.stream:
+                return await _stream(events, reply, openai_api.include_usage(body), limits, deadline)
+            done = await _until_disconnected(request, _last(events))
+    except TimeoutError:
+        await events.aclose()
+        return JSONResponse(error_body(_timed_out(limits), "server_error", "timeout"), status_code=504)
     if done is None:  # nobody reads this: the client is gone
         return JSONResponse(error_body("client disconnected"), status_code=CLIENT_CLOSED)
     return reply.body(done)
+
+
+def _timed_out(limits: requests.Limits) -> str:
+    return f"the request ran past this server's limit of {limits.request_timeout_s:g} s: lower max_tokens"
 
 
 async def _last(events: AsyncIterator[Chunk | Finished]) -> Finished:
@@ -197,7 +208,8 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def _stream(events: AsyncIterator[Chunk | Finished], reply: Reply, usage: bool) -> StreamingResponse:
+async def _stream(events: AsyncIterator[Chunk | Finished], reply: Reply, usage: bool,
+                  limits: requests.Limits, deadline: float) -> StreamingResponse:
     """Server-sent events. The first event is awaited before the response starts, so a request
     that fails at once (a session that is not yours, no capacity) still gets its status code."""
     first = await anext(events)
@@ -220,7 +232,36 @@ async def _stream(events: AsyncIterator[Chunk | Finished], reply: Reply, usage: 
                 yield _sse(_error(error)[1])
             yield "data: [DONE]\n\n"
 
-    return StreamingResponse(sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    return BoundedStream(sse(), limits, deadline, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+class BoundedStream(StreamingResponse):
+    """A stream with an end: a client that stops reading blocks a write, and one write waiting past
+    `stream_stall_s`, or the request past its `deadline` (loop time), ends it. The generation is
+    closed either way, so its quota slot and the model services' work go back at once."""
+
+    def __init__(self, content: AsyncIterator[str], limits: requests.Limits, deadline: float, **kwargs):
+        super().__init__(content, **kwargs)
+        self.limits, self.deadline = limits, deadline
+
+    async def stream_response(self, send) -> None:
+        stall_s = self.limits.stream_stall_s
+
+        async def bounded(message: dict) -> None:
+            await asyncio.wait_for(send(message), stall_s)
+
+        try:
+            async with asyncio.timeout_at(self.deadline):
+                await super().stream_response(bounded)
+        except TimeoutError:
+            log.warning("a streamed reply ended: its client read nothing for %g s, or it ran past %g s",
+                        stall_s, self.limits.request_timeout_s)
+            with contextlib.suppress(TimeoutError, OSError):  # a last word, if the client still reads
+                done = _sse(error_body(_timed_out(self.limits), "server_error", "timeout")) + "data: [DONE]\n\n"
+                await asyncio.wait_for(send({"type": "http.response.body", "body": done.encode(), "more_body": False}),
+                                       stall_s)
+        finally:
+            await self.body_iterator.aclose()
 
 
 def _sse(payload: dict) -> str:

@@ -29,6 +29,8 @@ class Limits:
     max_stop_strings: int = 8
     max_stop_chars: int = 128
     min_confidence: float = PolicyConfig.min_confidence  # adaptive K's confidence stop
+    request_timeout_s: float = 900.0  # a REST request's whole life, its reply streamed to the end
+    stream_stall_s: float = 30.0  # how long one streamed write may wait on a client that does not read
 
 
 @dataclass(frozen=True)
