@@ -34,7 +34,7 @@ import grpc
 import torch
 from transformers import AutoModelForCausalLM
 
-from benchmarks.common import descendants, machine, rss_bytes, write
+from benchmarks.common import TINY_UP_ENV, descendants, machine, rss_bytes, specd_up_logged, write
 from services.common.redis_server import LocalRedis, free_port
 from services.coordinator.model_info import load_model_info
 from services.protogen.specd.v1 import coordinator_pb2, coordinator_pb2_grpc
@@ -164,21 +164,13 @@ def _free(port: int) -> bool:
 
 
 def _specd_up(draft_dir: Path, target_dir: Path, redis_url: str, ports: dict[str, int], log: Path) -> subprocess.Popen:
-    command = [sys.executable, "-m", "services.cli", "up", "--draft-replicas", "2", "--target-replicas", "2",
-               "--draft-model", str(draft_dir), "--target-model", str(target_dir),
-               "--draft-quantize", "none", "--target-quantize", "none", "--redis-url", redis_url,
-               "--coordinator-port", str(ports["coordinator"]), "--draft-port", str(ports["draft"]),
-               "--target-port", str(ports["target"]), "--http-port", "-1",
-               "--draft-metrics-port", "0", "--target-metrics-port", "0", "--audit-rate", "0"]
-    env = {**os.environ, "SPECD_DTYPE": "float64", "SPECD_THREADS": "1", "OMP_NUM_THREADS": "1"}
-    with log.open("w") as out:
-        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
-    deadline = time.monotonic() + 300
-    while "specd is up" not in log.read_text():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"specd up did not come up:\n{log.read_text()[-3000:]}")
-        time.sleep(0.5)
-    return proc
+    argv = ["--draft-replicas", "2", "--target-replicas", "2",
+            "--draft-model", str(draft_dir), "--target-model", str(target_dir),
+            "--draft-quantize", "none", "--target-quantize", "none", "--redis-url", redis_url,
+            "--coordinator-port", str(ports["coordinator"]), "--draft-port", str(ports["draft"]),
+            "--target-port", str(ports["target"]), "--http-port", "-1",
+            "--draft-metrics-port", "0", "--target-metrics-port", "0", "--audit-rate", "0"]
+    return specd_up_logged(argv, log, TINY_UP_ENV)
 
 
 def _client(index: int, address: str, model, tally: Tally, stop: threading.Event, seed: float) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import itertools
 import json
+import os
 import platform
 import secrets
 import subprocess
@@ -126,6 +127,21 @@ def specd_up(*flags: str, timeout_s: float = 600):
         proc.wait(timeout=60)
         secrets_dir.cleanup()
 
+
+TINY_UP_ENV = {"SPECD_DTYPE": "float64", "SPECD_THREADS": "1", "OMP_NUM_THREADS": "1"}  # the tiny pair's `specd up`
+
+
+def specd_up_logged(argv: list[str], log: Path, env: dict[str, str], timeout_s: float = 300) -> subprocess.Popen:
+    """`specd up <argv>` with its output in `log` and `env` added to ours, once it says it is up."""
+    with log.open("w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up", *argv], stdout=out,
+                                stderr=subprocess.STDOUT, env={**os.environ, **env})
+    deadline = time.monotonic() + timeout_s
+    while "specd is up" not in log.read_text():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"specd up did not come up:\n{log.read_text()[-3000:]}")
+        time.sleep(0.5)
+    return proc
 
 @dataclass(frozen=True)
 class Run:

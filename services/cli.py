@@ -89,6 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
                       "this run unless --tls-dir is given (off: plaintext on loopback)")
     settings.add(up, "--tls-dir", type=Path, help="with --service-tls on: use this `specd certs` set (to call the "
                  "model services yourself with its coordinator certificate)")
+    settings.add_switch(up, "--insecure", help="with a --host that is not loopback: let the coordinator's edges (and "
+                        "with --service-tls off the model services) serve plaintext there; each refuses otherwise")
     _add_model_paths(up)
     up.add_argument("--tracing", action="store_true", help="start a local Phoenix and send every service's spans to it")
     up.set_defaults(run=cmd_up)
@@ -191,10 +193,11 @@ def cmd_keys_init(args: argparse.Namespace) -> int:
     from services.common import secrets_init
 
     made = secrets_init.init(args.dir, args.owner)
-    for name in made:
-        print(f"created {args.dir / name}")
-    if secrets_init.API_KEYS in made:
-        print(f"API key (send `Authorization: Bearer <key>`): {made[secrets_init.API_KEYS].split(':', 1)[1]}")
+    for path in made.values():
+        print(f"created {path}")
+    if secrets_init.API_KEYS in made:  # the key itself is never printed: logs are not secret
+        print(f"the API key is the part after `name:` in {made[secrets_init.API_KEYS]} "
+              "(send `Authorization: Bearer <key>`)")
     if not made:
         print(f"{args.dir}: the secrets exist already; nothing changed")
     return 0

@@ -107,7 +107,10 @@ def commands(
         coordinator += ["--draft-confidence", args.draft_confidence]
     if args.audit_rate is not None:
         coordinator += ["--audit-rate", args.audit_rate]
-    return commands | {"coordinator": coordinator}
+    commands |= {"coordinator": coordinator}
+    if args.insecure:  # each child checks its own address (services/common/tls.py refuse_plaintext)
+        commands = {name: [*cmd, "--insecure"] for name, cmd in commands.items()}
+    return commands
 
 
 def _run_services(

@@ -2,8 +2,10 @@
 
 Compiled with the C compiler on PATH and `-march=native` (AVX-512 VNNI where the CPU has it, else
 AVX2) into the kernel cache directory; `available()` says why not when it cannot be built, and the
-engine then refuses the GGUF path with that reason. `-ffp-contract=off` keeps every float sum in the
-order the source writes it: the kernels' batch invariance rests on that.
+engine then refuses the GGUF path with that reason. That directory and each library in it must
+belong to this user and be writable by no one else, or nothing is built there or loaded from it.
+`-ffp-contract=off` keeps every float sum in the order the source writes it: the kernels' batch
+invariance rests on that.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import os
 import platform
 import re
 import shutil
+import stat
 import subprocess
 import tempfile
 from functools import lru_cache
@@ -69,19 +72,42 @@ def library(march: str = NATIVE) -> ctypes.CDLL:
     flags = [f"-march={march}", *FLAGS]
     digest = hashlib.sha256(b"".join(s.read_bytes() for s in [*sources, CSRC / "quants.h"]))
     digest.update((" ".join(flags) + cpu_flags()).encode())
-    path = cache_dir() / f"specd-{march}-{digest.hexdigest()[:16]}.so"
+    directory = cache_dir()
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path = _private(directory.resolve()) / f"specd-{march}-{digest.hexdigest()[:16]}.so"
     if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
             built = Path(tmp) / path.name
             done = subprocess.run([compiler, *flags, *map(str, sources), "-lm", "-o", str(built)],
                                   capture_output=True, text=True)
             if done.returncode != 0:
                 raise RuntimeError(f"building specd's kernels failed:\n{done.stderr[-2000:]}")
+            built.chmod(0o644)
             built.replace(path)  # atomic: a concurrent builder finds a whole file or none
     import torch  # noqa: F401  (its OpenMP runtime, same soname, is the one the kernels join)
 
-    return _declare(ctypes.CDLL(str(path)))
+    return _declare(ctypes.CDLL(str(_private(path))))
+
+
+class UntrustedCache(RuntimeError):
+    """The kernel cache, or a library in it, is one that another user could have written."""
+
+
+def _private(path: Path) -> Path:
+    """`path`, if no other user can have written it: loading a library runs its code in this process.
+    The cache directory may be reached through a link (its target is checked), a library may not."""
+    info = path.lstat()
+    if stat.S_ISLNK(info.st_mode):
+        problem = "is a symbolic link (the cache holds only files it built): remove it"
+    elif info.st_uid != os.geteuid():
+        problem = (f"belongs to uid {info.st_uid}, not to this user (uid {os.geteuid()}): remove it, or set "
+                   "SPECD_KERNEL_CACHE to a directory of your own")
+    elif info.st_mode & 0o022:
+        problem = f"is writable by others (mode {stat.S_IMODE(info.st_mode):o}): chmod go-w it"
+    else:
+        return path
+    raise UntrustedCache(f"refusing specd's kernel cache, where another user could run code in this process: {path} "
+                         f"{problem}")
 
 
 class Linear(ctypes.Structure):

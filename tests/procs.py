@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -96,7 +99,8 @@ def coordinator(
     """`drafts`, `targets`: addresses, or a pool spec (`file:///...`, `dns:///...`)."""
     pools = [",".join(p) if isinstance(p, list) else p for p in (drafts, targets)]
     args = ["--model", str(target_dir), "--draft-addr", pools[0], "--target-addr", pools[1]]
-    return ServiceProcess("coordinator", [*args, "--redis-url", redis_url, "--http-port", "0", *extra], log_dir)
+    durable = [] if "--require-durable-store" in extra else ["--require-durable-store", "off"]  # tests' throwaway Redis
+    return ServiceProcess("coordinator", [*args, "--redis-url", redis_url, "--http-port", "0", *durable, *extra], log_dir)
 
 
 def specd(argv: list[str]) -> int:
@@ -118,3 +122,44 @@ def up_commands(monkeypatch, *argv: str) -> dict[str, list[str]]:
 
 def value(command: list[str], flag: str) -> str:
     return command[command.index(flag) + 1]
+
+
+def edge_coordinator(target_dir: Path, redis_url: str, log_dir: Path, *extra: str) -> ServiceProcess:
+    """A coordinator for its client edges alone (keys, TLS): no draft, a target pool nobody answers,
+    no calibration. Its gRPC health stays NOT_SERVING (start-up waits for the target), so wait on
+    its REST /health (`wait_rest`); `http_port` is set."""
+    http_port = free_port()
+    proc = coordinator(target_dir, "none", [f"127.0.0.1:{free_port()}"], redis_url, log_dir,
+                       "--calibrate", "off", "--http-port", str(http_port), *extra)
+    proc.http_port = http_port
+    return proc
+
+
+def rest(proc: ServiceProcess, path: str, key: str | None = None, context: ssl.SSLContext | None = None,
+         method: str = "GET") -> int:
+    """A REST request's status to a coordinator process (https with `context`)."""
+    scheme = "https" if context else "http"
+    request = urllib.request.Request(f"{scheme}://{proc.host}:{proc.http_port}{path}", method=method,
+                                     headers={"Authorization": f"Bearer {key}"} if key else {})
+    try:
+        with urllib.request.urlopen(request, timeout=10, context=context) as reply:
+            return reply.status
+    except urllib.error.HTTPError as error:
+        return error.code
+    except urllib.error.URLError as error:  # the connection's own error (refused, a failed TLS handshake)
+        raise error.reason if isinstance(error.reason, OSError) else error
+
+
+def wait_rest(proc: ServiceProcess, context: ssl.SSLContext | None = None) -> ServiceProcess:
+    """Until the coordinator's REST /health answers 200 (it is started and its edge serves)."""
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.proc.poll() is not None:
+            raise RuntimeError(f"coordinator exited {proc.proc.returncode}:\n{proc.log_path.read_text()[-3000:]}")
+        try:
+            if rest(proc, "/health", context=context) == 200:
+                return proc
+        except OSError:
+            time.sleep(0.2)
+    log = proc.log_path.read_text()[-3000:]
+    raise TimeoutError(f"coordinator REST on {proc.host}:{proc.http_port} not ready:\n{log}")

@@ -392,3 +392,14 @@ def test_each_key_starts_from_its_own_prior_never_anothers(server):
 
     alice, mallory, keyless = run(server.url, body, prefix=f"prior-{uuid.uuid4().hex}")
     assert alice == deployment and keyless == deployment and mallory == plain
+
+
+def test_a_store_that_may_lose_acknowledged_writes_says_why(server, tmp_path):
+    """Only appendonly with appendfsync always keeps every write a client was answered for across a
+    crash of the store's host: anything else is named, so the coordinator can refuse it."""
+    why = run(server.url, lambda store: store.not_durable())
+    assert why is not None and "appendonly 'no'" in why
+    with LocalRedis(dir=tmp_path, appendonly=True) as durable:
+        assert run(durable.url, lambda store: store.not_durable()) is None
+        run(durable.url, lambda store: store._redis.config_set("appendfsync", "everysec"))
+        assert "appendfsync 'everysec'" in run(durable.url, lambda store: store.not_durable())

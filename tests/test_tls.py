@@ -5,17 +5,28 @@ caller is refused before it can read or rewrite a session's cache, and the sessi
 
 from __future__ import annotations
 
+import http.client
 import os
+import shutil
+import ssl
 import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import grpc
 import pytest
+from cryptography.hazmat.primitives.serialization import Encoding
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common import certs
+from services.common.redis_server import free_port
 from services.common.tls import CA_FILE, CALLER, TlsFiles, channel_options, key_file
-from services.protogen.specd.v1 import common_pb2, coordinator_pb2, target_pb2, target_pb2_grpc
-from tests.procs import coordinator, specd, stub, tls_model_service, up_commands, value
+from services.protogen.specd.v1 import (common_pb2, coordinator_pb2, coordinator_pb2_grpc, target_pb2,
+                                        target_pb2_grpc)
+from tests.procs import (ROOT, coordinator, edge_coordinator, rest, specd, stub, tls_model_service, up_commands,
+                         value, wait_rest)
 
 N = 12
 INTRUDER = "intruder"  # a client certificate the deployment's CA signed that is not the coordinator's
@@ -135,3 +146,136 @@ def test_specd_up_runs_every_service_on_mutual_tls_unless_told_not_to(monkeypatc
     assert not any("--tls-dir" in cmd for cmd in up_commands(monkeypatch, "--service-tls", "off").values())
     given = up_commands(monkeypatch, "--tls-dir", "/etc/mine")  # a set of one's own, to call the services too
     assert {value(cmd, "--tls-dir") for cmd in given.values()} == {"/etc/mine"}
+
+
+OFF_LOOPBACK = ("0.0.0.0", "::", "10.1.2.3", "target.example")
+LOOPBACK = ("127.0.0.1", "127.0.0.2", "::1", "[::1]", "localhost")
+
+
+def no_specd_variables(monkeypatch) -> None:
+    for name in [n for n in os.environ if n.startswith("SPECD_")]:
+        monkeypatch.delenv(name)
+
+
+def exits_refusing_plaintext(module: str, *argv: str) -> str:
+    """`python -m <module> argv` exits at once, non-zero, saying what to pass; its stderr."""
+    done = subprocess.run([sys.executable, "-m", module, *argv, "--port", str(free_port())], cwd=ROOT,
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode != 0, done.stderr
+    assert "plaintext" in done.stderr and "--insecure" in done.stderr and "SPECD_INSECURE" in done.stderr
+    return done.stderr
+
+
+def test_a_model_service_refuses_plaintext_off_loopback_unless_told_insecure(tmp_path, tiny_pair, monkeypatch):
+    from services.common.model_main import parse
+
+    no_specd_variables(monkeypatch)
+    model = ["--model", str(tiny_pair[1])]
+    assert "--tls-dir" in exits_refusing_plaintext("services.target", *model, "--host", "0.0.0.0")
+    for host in OFF_LOOPBACK:
+        with pytest.raises(SystemExit):
+            parse("target", 1, [*model, "--host", host])
+    for host in LOOPBACK:  # a laptop's `specd up`, the tests
+        assert parse("target", 1, [*model, "--host", host]).tls is None
+    certs.make(tmp_path)
+    assert parse("draft", 1, [*model, "--host", "0.0.0.0", "--tls-dir", str(tmp_path)]).tls.role == "draft"
+    assert parse("target", 1, [*model, "--host", "0.0.0.0", "--insecure"]).insecure
+    monkeypatch.setenv("SPECD_INSECURE", "1")
+    assert parse("target", 1, [*model, "--host", "0.0.0.0"]).insecure
+    monkeypatch.setenv("SPECD_INSECURE", "maybe")  # a typo in a security switch is an error, not "off"
+    with pytest.raises(ValueError, match="SPECD_INSECURE"):
+        parse("target", 1, [*model, "--host", "0.0.0.0"])
+
+
+def test_the_coordinator_refuses_a_plaintext_edge_off_loopback_unless_told_insecure(tmp_path, tiny_pair, monkeypatch):
+    from services.coordinator import root
+
+    no_specd_variables(monkeypatch)
+    base = ["--model", str(tiny_pair[1]), "--redis-url", "redis://127.0.0.1:1/0"]
+    exits_refusing_plaintext("services.coordinator", *base, "--host", "0.0.0.0")
+    for host in OFF_LOOPBACK:
+        with pytest.raises(SystemExit):
+            root.parse([*base, "--host", host], edges=True)
+    for host in LOOPBACK:
+        assert root.parse([*base, "--host", host], edges=True).edge_tls is None
+    assert root.parse([*base, "--host", "0.0.0.0", "--insecure"], edges=True).insecure
+    ca, cert, key = edge_set(tmp_path)
+    given = root.parse([*base, "--host", "0.0.0.0", "--edge-tls-cert", str(cert), "--edge-tls-key", str(key)],
+                       edges=True)
+    assert given.edge_tls.cert == cert
+    # The Ray ingress parses the same flags but serves through Ray's proxy: not its edges to check.
+    assert root.parse([*base, "--host", "0.0.0.0"]).edge_tls is None
+    for half in (["--edge-tls-cert", str(cert)], ["--edge-tls-key", str(key)],  # one without the other
+                 ["--edge-tls-cert", str(cert), "--edge-tls-key", str(tmp_path / "absent.pem")],
+                 ["--edge-tls-cert", str(ca), "--edge-tls-key", str(key)]):  # a key that is not the certificate's
+        with pytest.raises(SystemExit):
+            root.parse([*base, *half], edges=True)
+
+
+def test_specd_up_passes_insecure_to_every_child_only_when_given(monkeypatch):
+    assert all("--insecure" in cmd for cmd in up_commands(monkeypatch, "--host", "0.0.0.0", "--insecure").values())
+    assert not any("--insecure" in cmd for cmd in up_commands(monkeypatch).values())
+
+
+def edge_set(directory: Path) -> tuple[Path, Path, Path]:
+    """A CA of its own and, signed by it, a server certificate for the coordinator's edge naming
+    localhost and 127.0.0.1 (a deployment would use its ingress's or a public CA's): ca, cert, key."""
+    directory.mkdir(parents=True, exist_ok=True)
+    ca, ca_key = certs.new_ca(days=1)
+    (directory / CA_FILE).write_bytes(ca.public_bytes(Encoding.PEM))
+    cert, key = certs.issue(directory, ca, ca_key, "edge", client=False, days=1, hosts=("localhost", "127.0.0.1"))
+    return directory / CA_FILE, cert, key
+
+
+def trusting(ca: Path) -> ssl.SSLContext:
+    return ssl.create_default_context(cafile=str(ca))
+
+
+def coordinator_over_tls(address: str, ca: Path) -> coordinator_pb2_grpc.CoordinatorStub:
+    return coordinator_pb2_grpc.CoordinatorStub(
+        grpc.secure_channel(address, grpc.ssl_channel_credentials(ca.read_bytes())))
+
+
+def test_the_coordinators_edge_serves_tls_and_takes_a_rotated_certificate_without_restart(tmp_path, tiny_pair,
+                                                                                       redis_url):
+    first_ca, first_cert, first_key = edge_set(tmp_path / "first")
+    live = tmp_path / "edge"  # what the coordinator reads: a mounted Secret's files
+    live.mkdir()
+    cert, key = live / "tls.crt", live / "tls.key"
+    shutil.copy(first_cert, cert), shutil.copy(first_key, key)
+    coord = edge_coordinator(tiny_pair[1], redis_url, tmp_path, "--edge-tls-cert", str(cert),
+                             "--edge-tls-key", str(key)).start()
+    try:
+        wait_rest(coord, trusting(first_ca))
+        unknown = coordinator_pb2.SessionRequest(session_id="no-such-session")
+        # REST over https, gRPC over TLS: each reaches the frontend (the session is unknown)
+        assert rest(coord, "/v1/sessions/no-such-session", context=trusting(first_ca)) == 404
+        refused(lambda: coordinator_over_tls(coord.address, first_ca).GetSession(unknown, timeout=10),
+                grpc.StatusCode.NOT_FOUND)
+        # and nothing in plaintext
+        with pytest.raises((OSError, http.client.HTTPException)):
+            rest(coord, "/health")
+        refused(lambda: stub(coord).GetSession(unknown, timeout=5), grpc.StatusCode.UNAVAILABLE)
+
+        # A certificate from another CA replaces the files (as a Secret's update does): new
+        # connections get it, no restart.
+        second_ca, second_cert, second_key = edge_set(tmp_path / "second")
+        for source, target in ((second_cert, cert), (second_key, key)):
+            shutil.copy(source, live / "next"), os.replace(live / "next", target)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                assert rest(coord, "/v1/sessions/no-such-session", context=trusting(second_ca)) == 404
+                break
+            except ssl.SSLError:  # the REST edge looks at its files once a second
+                assert time.monotonic() < deadline, "the REST edge still serves the first certificate"
+                time.sleep(0.2)
+        refused(lambda: coordinator_over_tls(coord.address, second_ca).GetSession(unknown, timeout=10),
+                grpc.StatusCode.NOT_FOUND)
+        with pytest.raises(ssl.SSLError):
+            rest(coord, "/health", context=trusting(first_ca))
+        refused(lambda: coordinator_over_tls(coord.address, first_ca).GetSession(unknown, timeout=5),
+                grpc.StatusCode.UNAVAILABLE)
+        assert coord.proc.poll() is None
+    finally:
+        coord.stop()

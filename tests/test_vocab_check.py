@@ -131,7 +131,7 @@ def test_the_coordinator_exits_when_draft_and_target_vocabularies_differ(tmp_pat
     try:
         command = [sys.executable, "-m", "services.coordinator", "--model", str(target_file), "--port", "0",
                    "--http-port", "-1", "--draft-addr", draft_addr, "--target-addr", target_addr,
-                   "--redis-url", "redis://127.0.0.1:1/0", "--calibrate", "off"]
+                   "--redis-url", "redis://127.0.0.1:1/0", "--calibrate", "off", "--require-durable-store", "off"]
         done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT)
     finally:
         draft.stop(None)

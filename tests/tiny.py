@@ -36,7 +36,7 @@ LAST_LAYER_SCALE = 0.3
 DRAFT_NOISE = 0.2
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
+def build_tokenizer(max_positions: int = MAX_POSITIONS) -> PreTrainedTokenizerFast:
     """Byte-level BPE over the 256-symbol byte alphabet with no merges: one token per UTF-8 byte.
 
     NFC-normalised like the real Qwen2 tokenizer: transformers 5 loads any model_type "qwen2"
@@ -55,13 +55,13 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
         eos_token=EOS,
         pad_token=EOS,
         extra_special_tokens=[IM_START, IM_END],
-        model_max_length=MAX_POSITIONS,
+        model_max_length=max_positions,
     )
     fast.chat_template = CHAT_TEMPLATE
     return fast
 
 
-def _config(vocab_size: int, eos_id: int, num_layers: int) -> Qwen2Config:
+def _config(vocab_size: int, eos_id: int, num_layers: int, max_positions: int = MAX_POSITIONS) -> Qwen2Config:
     return Qwen2Config(
         vocab_size=vocab_size,
         hidden_size=64,
@@ -69,7 +69,7 @@ def _config(vocab_size: int, eos_id: int, num_layers: int) -> Qwen2Config:
         num_hidden_layers=num_layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=MAX_POSITIONS,
+        max_position_embeddings=max_positions,
         initializer_range=INIT_STD,
         tie_word_embeddings=False,
         bos_token_id=eos_id,
@@ -106,15 +106,15 @@ def _build_draft(target: Qwen2ForCausalLM, config: Qwen2Config, seed: int) -> Qw
     return draft
 
 
-def build_tiny_pair(out_dir: Path, seed: int = 0) -> tuple[Path, Path]:
+def build_tiny_pair(out_dir: Path, seed: int = 0, max_positions: int = MAX_POSITIONS) -> tuple[Path, Path]:
     """Write (draft_dir, target_dir) under out_dir: HF model + tokenizer directories, float32 safetensors."""
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(max_positions)
     eos_id = tokenizer.convert_tokens_to_ids(EOS)
     vocab_size = -(-len(tokenizer) // 8) * 8  # round up to a multiple of 8, like real checkpoints
     # fork_rng keeps the caller's global RNG untouched by our seeding.
     with torch.random.fork_rng():
-        target = _build_target(_config(vocab_size, eos_id, num_layers=2), seed)
-        draft = _build_draft(target, _config(vocab_size, eos_id, num_layers=1), seed)
+        target = _build_target(_config(vocab_size, eos_id, 2, max_positions), seed)
+        draft = _build_draft(target, _config(vocab_size, eos_id, 1, max_positions), seed)
     dirs = (Path(out_dir) / "draft", Path(out_dir) / "target")
     for model, model_dir in zip((draft, target), dirs):
         model.generation_config = GenerationConfig(eos_token_id=eos_id, pad_token_id=eos_id)

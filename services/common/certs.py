@@ -2,7 +2,8 @@
 and, signed by it, one certificate per role naming `specd-<role>` — the model services' for
 serving, the coordinator's for calling them, and Redis's (also naming its host names) for a
 store served over TLS. The CA's key is never written: to re-issue, make a
-new set and replace the old one everywhere (a stolen set cannot mint more). Keys are ECDSA P-256,
+new set and replace the old one everywhere (a stolen set cannot mint more; running services take
+the new files without a restart, services/common/tls.py). Keys are ECDSA P-256,
 0600; certificates 0644; the directory 0700."""
 
 from __future__ import annotations
@@ -40,10 +41,14 @@ def _builder(subject: x509.Name, issuer: x509.Name, key: ec.EllipticCurvePrivate
 
 
 def _write(path: Path, data: bytes, mode: int) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    """By a rename: a running service that reads its files again when they change (tls.py) sees the
+    old file or the new one, never half of one."""
+    staged = path.with_name(f".{path.name}.next")
+    fd = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
     with os.fdopen(fd, "wb") as file:
         file.write(data)
-    os.chmod(path, mode)  # O_CREAT's mode applies to new files only
+    os.chmod(staged, mode)  # O_CREAT's mode applies to new files only
+    os.replace(staged, path)
 
 
 def new_ca(days: int = DEFAULT_DAYS) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:

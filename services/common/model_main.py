@@ -14,7 +14,7 @@ from services.common.metrics import serve_metrics
 from services.common.model_service import ModelServicer
 from services.common.server import run_until_signalled, start_server
 from services.common.telemetry import setup_tracing
-from services.common.tls import TlsFiles
+from services.common.tls import TlsFiles, refuse_plaintext
 from services.common.worker import DEFAULT_MAX_BATCH, Batching, SharedCores
 
 log = logging.getLogger(__name__)
@@ -51,8 +51,13 @@ def build_parser(role: str, default_port: int) -> argparse.ArgumentParser:
                  help=QUANTIZE_HELP[role])
     settings.add(parser, "--metrics-port", type=int, default=0, help="serve Prometheus /metrics on this port (0: off)")
     settings.add(parser, "--tls-dir", type=Path,
-                 help="mutual TLS: ca.pem, <role>.pem, <role>-key.pem (`specd certs`); only the coordinator's "
-                      "certificate may call (unset: plaintext, anyone who reaches the port)")
+                 help="mutual TLS: ca.pem, <role>.pem, <role>-key.pem (`specd certs`), read again for new connections "
+                      "when they change; only the coordinator's certificate may call (unset: plaintext, anyone who "
+                      "reaches the port: on loopback only, unless --insecure)")
+    settings.add_switch(parser, "--insecure",
+                        help="serve plaintext (no --tls-dir) on an address that is not loopback-only, e.g. 0.0.0.0 "
+                             "(refused otherwise): something else must keep everyone but the coordinator from the "
+                             "port; the variable takes 1")
     settings.add(parser, "--health-port", type=int, default=0,
                  help="also answer gRPC health checks, and nothing else, in plaintext on this port (probes; 0: off)")
     settings.add(parser, "--cores-lock", type=Path,
@@ -71,6 +76,9 @@ def _checked(parser: argparse.ArgumentParser, role: str, args: argparse.Namespac
         parser.error("--model (or SPECD_MODEL) is required")
     try:
         args.tls = TlsFiles(args.tls_dir, role).check() if args.tls_dir else None
+        if not args.tls and not args.insecure and (why := refuse_plaintext(args.host, f"the {role} service",
+                                                                          "--tls-dir (`specd certs` makes a set)")):
+            raise ValueError(why)
         Batching(args.max_batch, args.batch_wait).validate()
         settings.check_quantize(role, args.quantize)  # the environment's value too, which argparse does not check
     except ValueError as error:
@@ -112,8 +120,9 @@ def main(
         log.info("%s serving %s on %s:%d (%s), numerics %s (quantize %s, batch-invariant here: %s): %s", role,
                  args.model, args.host, port, "mutual TLS" if args.tls else "plaintext", info.numerics,
                  info.quantize, info.invariant, info.reason)
-        if not args.tls:
-            log.warning("no --tls-dir: any process that reaches %s:%d may drive this service's caches", args.host, port)
+        if not args.tls:  # on loopback, or told --insecure
+            log.warning("no --tls-dir: any process that reaches %s:%d may drive this service's caches%s", args.host,
+                        port, " (--insecure)" if args.insecure else "")
         if args.metrics_port:
             serve_metrics(servicer.metrics.registry, args.metrics_port, args.host)
             log.info("%s metrics on http://%s:%d/metrics", role, args.host, args.metrics_port)

@@ -7,6 +7,11 @@ and every replica's load is polled.
 Retrying on another replica is safe because every call carries its SyncPoint: a replica that
 lacks the prefix says so (StaleSession) and the loop resends it; running a round again gives
 the same result.
+
+Certificates: a gRPC channel keeps the credentials it was made with, reconnects included. So when
+the coordinator's certificate files change (a rotated set), the next refresh makes every replica a
+new channel with them, and the old one closes after its calls in flight. A set that does not load
+is logged and the last good credentials kept.
 """
 
 from __future__ import annotations
@@ -75,6 +80,8 @@ class Replicas(Generic[S]):
         """`source`: see discovery.resolver. `retry_s`: how long a call waits for some replica to answer.
         `tls`: the coordinator's certificate; every replica must present its role's (`name`'s)."""
         self.name, self.retry_s, self.refresh_s = name, retry_s, refresh_s
+        self._tls = tls
+        self._seen = tls.signature() if tls else None  # before reading: a change meanwhile is read again
         self._credentials = tls.channel_credentials() if tls else None
         self.resolver = discovery.resolver(source)
         self._make_stub = make_stub
@@ -142,6 +149,7 @@ class Replicas(Generic[S]):
         return any(r.up(now) for r in self._replicas.values())
 
     async def refresh(self) -> None:
+        self._renew_credentials()
         if self.resolver.dynamic:
             await self._resolve()
         await asyncio.gather(*(self._poll(r) for r in list(self._replicas.values())))
@@ -179,6 +187,24 @@ class Replicas(Generic[S]):
             self._spawn(self._replicas.pop(address).channel.close(CLOSE_GRACE_S))
         if self._tasks and (added or gone):  # not at construction
             log.info("%s pool: %d replicas (added %s, gone %s)", self.name, len(self._replicas), added, gone)
+
+    def _renew_credentials(self) -> None:
+        """The certificate files changed: new credentials, and a new channel for every replica."""
+        if self._tls is None or (seen := self._tls.signature()) == self._seen:
+            return
+        self._seen = seen  # a bad set is reported once, and read again when the files change again
+        try:
+            self._credentials = self._tls.channel_credentials()
+        except ValueError as error:
+            log.error("%s pool: %s; keeping the previous certificate", self.name, error)
+            return
+        for replica in self._replicas.values():
+            old = replica.channel
+            replica.channel = self._channel(replica.address)
+            replica.stub = self._make_stub(replica.channel)
+            self._spawn(old.close(CLOSE_GRACE_S))
+        log.info("%s pool: certificates in %s changed: new channels to %d replicas", self.name, self._tls.directory,
+                 len(self._replicas))
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         if self._credentials is None:

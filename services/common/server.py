@@ -12,7 +12,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.common.telemetry import server_interceptors
-from services.common.tls import OnlyCoordinator, TlsFiles
+from services.common.tls import EdgeTls, OnlyCoordinator, TlsFiles
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +30,7 @@ async def start_server(
     address: str,
     warm_up: Awaitable[None] | None = None,
     max_message_bytes: int = MAX_MESSAGE_BYTES,
-    tls: TlsFiles | None = None,
+    tls: TlsFiles | EdgeTls | None = None,
     health_address: str | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """Start a server with the servicers `register` adds (it returns their full service names).
@@ -38,12 +38,14 @@ async def start_server(
     then sends traffic to a warmed-up server, while calls that come earlier are still served.
 
     `max_message_bytes` bounds what a client may send (the coordinator: its REST body limit).
-    `tls`: serve mutual TLS, to the coordinator only (services/common/tls.py). `health_address`:
+    `tls`: serve mutual TLS, to the coordinator only (TlsFiles), or TLS with no client certificate
+    (EdgeTls: the coordinator's edge); either reads its files again for new connections when they
+    change (services/common/tls.py). `health_address`:
     also answer health checks, and nothing else, in plaintext there (kubelet probes).
     Returns the server and the bound port (use port 0 in tests for a free one).
     """
     server = grpc.aio.server(
-        interceptors=[*server_interceptors(), *([OnlyCoordinator(tls.role)] if tls else [])],
+        interceptors=[*server_interceptors(), *([OnlyCoordinator(tls.role)] if isinstance(tls, TlsFiles) else [])],
         options=[
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max(max_message_bytes, MAX_MESSAGE_BYTES)),

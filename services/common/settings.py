@@ -27,6 +27,20 @@ def add(parser: argparse.ArgumentParser, flag: str, *, type=str, default=None, h
     )
 
 
+SWITCH_VALUES = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False,
+                 "off": False, "": False}
+
+
+def add_switch(parser: argparse.ArgumentParser, flag: str, *, help: str = "") -> None:
+    """A flag that turns something on (`--insecure`), or its variable set to 1 (true, yes, on; 0,
+    false, no, off or unset: off). Any other value is an error, not off: these guard security."""
+    raw = os.environ.get(env_name(flag))
+    if raw is not None and raw.strip().lower() not in SWITCH_VALUES:
+        raise ValueError(f"{env_name(flag)}={raw!r}: set it to 1 (on) or 0 (off)")
+    on = raw is not None and SWITCH_VALUES[raw.strip().lower()]
+    parser.add_argument(flag, action="store_true", default=on, help=f"{help} [env {env_name(flag)}; default off]")
+
+
 # The weights a model service runs (specd/numerics.py's MODES; this module imports no torch):
 # every default in one place.
 QUANTIZE_MODES = ("none", "int8", "auto")

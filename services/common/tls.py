@@ -7,17 +7,36 @@ UNAUTHENTICATED); health checks stay open to any verified peer, and to anyone on
 `--health-port` (kubelet probes speak no TLS). The coordinator checks that a replica presents the
 certificate of its role, whatever address the pool resolved to (a pod IP): the name it verifies is
 `specd-<role>`, not the address.
+
+Rotation: a server reads its certificate, key and CA again whenever their files changed, for the
+next TLS handshake (gRPC asks before each one): new connections get the rotated set, connections
+already made keep theirs. The coordinator's pools make new channels with its rotated certificate
+(services/common/replicas.py). A set that does not load (a key that is not its certificate's, a
+file half written) is logged and the last good one kept.
+
+Plaintext is for loopback: a service that would serve it on any other address refuses to start
+unless told `--insecure` (`refuse_plaintext`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
+import ipaddress
+import logging
+import ssl
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import grpc
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
 
+from services.common.settings import env_name
+from services.common.watch import Signature, signature
+
+log = logging.getLogger(__name__)
 CA_FILE = "ca.pem"
 CALLER = "coordinator"  # the one role that may call a model service
 OPEN_METHODS = ("/grpc.health.v1.Health/",)  # any verified peer (a healthcheck with the coordinator's files)
@@ -36,6 +55,83 @@ def key_file(role: str) -> str:
     return f"{role}-key.pem"
 
 
+def loopback_only(host: str) -> bool:
+    """`host` (what a server binds) is reachable from this machine alone: 127.0.0.0/8, ::1, localhost.
+    0.0.0.0, ::, another address or a name are not."""
+    host = host.strip().strip("[]")
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def refuse_plaintext(host: str, what: str, how: str) -> str | None:
+    """Why `what` may not serve plaintext on `host` (None: it may, on loopback); `how`: the flag
+    that would give it TLS."""
+    if loopback_only(host):
+        return None
+    return (f"refusing to serve {what} in plaintext on {host}, which is not loopback-only: anyone who reaches "
+            f"it could call it unencrypted; pass {how}, or --insecure ({env_name('--insecure')}=1) when "
+            f"something else secures that network")
+
+
+def _read(path: Path, hint: str) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as error:
+        raise ValueError(f"TLS: cannot read {path} ({error.strerror}); {hint}") from error
+
+
+def _checked_pair(cert_pem: bytes, key_pem: bytes, cert_path: Path, key_path: Path) -> tuple[bytes, bytes]:
+    """The certificate chain and key, when they parse and the key is the (first) certificate's: a
+    clear error now rather than failed handshakes later (a set half replaced, swapped files)."""
+    try:
+        cert = x509.load_pem_x509_certificates(cert_pem)[0]
+    except ValueError as error:
+        raise ValueError(f"TLS: {cert_path} holds no PEM certificate ({error})") from error
+    try:
+        key = serialization.load_pem_private_key(key_pem, password=None)
+    except (ValueError, TypeError) as error:
+        raise ValueError(f"TLS: {key_path} holds no unencrypted PEM private key ({error})") from error
+    public = (serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    if cert.public_key().public_bytes(*public) != key.public_key().public_bytes(*public):
+        raise ValueError(f"TLS: {key_path} is not the key of {cert_path}'s certificate")
+    return cert_pem, key_pem
+
+
+def _checked_ca(ca_pem: bytes, path: Path) -> bytes:
+    try:
+        x509.load_pem_x509_certificates(ca_pem)  # one CA, or several while a new one is rolled out
+    except ValueError as error:
+        raise ValueError(f"TLS: {path} holds no PEM certificate ({error})") from error
+    return ca_pem
+
+
+def _reloading(load: Callable[[], grpc.ServerCertificateConfiguration], seen: Callable[[], Signature],
+               what: str, require_client_auth: bool) -> grpc.ServerCredentials:
+    """Server credentials whose certificate (and CA) are read again when their files change: gRPC
+    calls the fetcher before each TLS handshake, and a stat of the files is all it costs then."""
+    last = [seen()]  # before loading: a change while loading is loaded again at the next handshake
+    initial = load()
+
+    def fetch() -> grpc.ServerCertificateConfiguration | None:  # None: keep the current configuration
+        try:
+            now = seen()
+            if now == last[0]:
+                return None
+            last[0] = now  # a bad set is reported once, and read again when the files change again
+            configuration = load()
+        except Exception as error:  # whatever it is, a failed fetch would fail the handshake: keep the last good set
+            log.error("%s; still serving the previous certificate", error)
+            return None
+        log.info("TLS: %s reloaded for new connections", what)
+        return configuration
+
+    return grpc.dynamic_ssl_server_credentials(initial, fetch, require_client_authentication=require_client_auth)
+
+
 @dataclass(frozen=True)
 class TlsFiles:
     """`role`'s certificate and key, and the CA that signs its peers', in `directory`."""
@@ -44,29 +140,99 @@ class TlsFiles:
     role: str
 
     def _read(self, name: str) -> bytes:
-        path = self.directory / name
-        try:
-            return path.read_bytes()
-        except OSError as error:
-            raise ValueError(f"TLS: cannot read {path} ({error.strerror}); `specd certs --dir {self.directory}` "
-                             f"makes a deployment's certificates") from error
+        return _read(self.directory / name,
+                     f"`specd certs --dir {self.directory}` makes a deployment's certificates")
+
+    def paths(self) -> tuple[Path, Path, Path]:
+        return self.directory / CA_FILE, self.directory / cert_file(self.role), self.directory / key_file(self.role)
+
+    def signature(self) -> Signature:
+        """Changes when any of the three files does (a rotated set)."""
+        return signature(*self.paths())
+
+    def _load(self) -> tuple[bytes, bytes, bytes]:
+        """(ca, certificate chain, key), checked."""
+        ca_path, cert_path, key_path = self.paths()
+        ca = _checked_ca(self._read(CA_FILE), ca_path)
+        chain, key = _checked_pair(self._read(cert_file(self.role)), self._read(key_file(self.role)), cert_path,
+                                   key_path)
+        return ca, chain, key
 
     def check(self) -> "TlsFiles":
-        """Every file is readable (a clear start-up error instead of a failed handshake later)."""
-        for name in (CA_FILE, cert_file(self.role), key_file(self.role)):
-            self._read(name)
+        """Every file is readable and the key is the certificate's (a clear start-up error instead
+        of a failed handshake later)."""
+        self._load()
         return self
 
+    def _server_configuration(self) -> grpc.ServerCertificateConfiguration:
+        ca, chain, key = self._load()
+        return grpc.ssl_server_certificate_configuration([(key, chain)], root_certificates=ca)
+
     def server_credentials(self) -> grpc.ServerCredentials:
-        pair = (self._read(key_file(self.role)), self._read(cert_file(self.role)))
-        return grpc.ssl_server_credentials([pair], root_certificates=self._read(CA_FILE), require_client_auth=True)
+        """Mutual TLS, the files read again for new connections when they change."""
+        what = f"the {self.role} certificate in {self.directory}"
+        return _reloading(self._server_configuration, self.signature, what, require_client_auth=True)
 
     def channel_credentials(self) -> grpc.ChannelCredentials:
-        return grpc.ssl_channel_credentials(
-            root_certificates=self._read(CA_FILE),
-            private_key=self._read(key_file(self.role)),
-            certificate_chain=self._read(cert_file(self.role)),
-        )
+        """From the files as they are now: a channel keeps them for its life (reconnects included),
+        so a rotated set needs new channels (services/common/replicas.py makes them)."""
+        ca, chain, key = self._load()
+        return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=chain)
+
+
+@dataclass(frozen=True)
+class EdgeTls:
+    """The coordinator's certificate at its client edges, gRPC and REST: a server certificate
+    chain and its key, PEM (`tls.crt` / `tls.key` of a kubernetes.io/tls Secret, an ingress's, a
+    public CA's). Clients present none: API keys say who they are. Read again when they change."""
+
+    cert: Path
+    key: Path
+
+    def paths(self) -> tuple[Path, Path]:
+        return self.cert, self.key
+
+    def signature(self) -> Signature:
+        return signature(*self.paths())
+
+    def _load(self) -> tuple[bytes, bytes]:
+        hint = "--edge-tls-cert and --edge-tls-key name the edge's certificate chain and key (PEM)"
+        return _checked_pair(_read(self.cert, hint), _read(self.key, hint), self.cert, self.key)
+
+    def check(self) -> "EdgeTls":
+        self._load()
+        return self
+
+    def _server_configuration(self) -> grpc.ServerCertificateConfiguration:
+        chain, key = self._load()
+        return grpc.ssl_server_certificate_configuration([(key, chain)])
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        return _reloading(self._server_configuration, self.signature, f"the edge certificate {self.cert}",
+                          require_client_auth=False)
+
+    async def keep_loaded(self, context: ssl.SSLContext, every_s: float = 1.0) -> None:
+        """Load the files into `context` (the REST edge's, uvicorn's) again whenever they change,
+        until cancelled: new connections get the rotated certificate, open ones keep theirs."""
+        last = self.signature()
+        while True:
+            await asyncio.sleep(every_s)
+            now = self.signature()
+            if now == last:
+                continue
+            last = now
+            try:
+                self.check()
+            except ValueError as error:  # reported once, read again when the files change again
+                log.error("%s; still serving the previous certificate over REST", error)
+                continue
+            try:
+                context.load_cert_chain(self.cert, self.key)
+            except OSError as error:  # ssl.SSLError too: the files changed since check(); look again next tick
+                last = None
+                log.error("TLS: loading the edge certificate %s failed (%s); trying again", self.cert, error)
+                continue
+            log.info("TLS: the edge certificate %s reloaded for new REST connections", self.cert)
 
 
 def channel_options(peer_role: str) -> list[tuple[str, Any]]:

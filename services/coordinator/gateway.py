@@ -42,6 +42,7 @@ from services.coordinator.quotas import QuotaExceeded
 
 DEFAULT_HTTP_PORT = 8000
 MAX_BODY_BYTES = 1024 * 1024
+MAX_CONNECTIONS = 1024  # open REST connections: each may hold a generation
 CLIENT_CLOSED = 499  # nginx's code for a client that closed the connection before the response
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -245,21 +246,27 @@ class BoundedStream(StreamingResponse):
         self.limits, self.deadline = limits, deadline
 
     async def stream_response(self, send) -> None:
-        stall_s = self.limits.stream_stall_s
+        stall_s, loop = self.limits.stream_stall_s, asyncio.get_running_loop()
 
         async def bounded(message: dict) -> None:
-            await asyncio.wait_for(send(message), stall_s)
+            async with asyncio.timeout(stall_s):  # not wait_for: on 3.11 it can swallow the deadline's cancel
+                await send(message)
 
         try:
             async with asyncio.timeout_at(self.deadline):
-                await super().stream_response(bounded)
+                await bounded({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+                async for chunk in self.body_iterator:
+                    if loop.time() >= self.deadline:  # also when a layer below swallowed the deadline's cancel
+                        raise TimeoutError
+                    await bounded({"type": "http.response.body", "body": chunk.encode(), "more_body": True})
+                await bounded({"type": "http.response.body", "body": b"", "more_body": False})
         except TimeoutError:
-            log.warning("a streamed reply ended: its client read nothing for %g s, or it ran past %g s",
-                        stall_s, self.limits.request_timeout_s)
+            log.warning("a streamed reply ended: its client read nothing for %g s, or it ran past its deadline",
+                        stall_s)
             with contextlib.suppress(TimeoutError, OSError):  # a last word, if the client still reads
                 done = _sse(error_body(_timed_out(self.limits), "server_error", "timeout")) + "data: [DONE]\n\n"
-                await asyncio.wait_for(send({"type": "http.response.body", "body": done.encode(), "more_body": False}),
-                                       stall_s)
+                async with asyncio.timeout(stall_s):
+                    await send({"type": "http.response.body", "body": done.encode(), "more_body": False})
         finally:
             await self.body_iterator.aclose()
 
@@ -362,11 +369,14 @@ class HttpServer(uvicorn.Server):
 
     @classmethod
     async def start(cls, app: FastAPI, host: str, port: int, ssl_certfile: str | None = None,
-                    ssl_keyfile: str | None = None) -> tuple["HttpServer", int]:
+                    ssl_keyfile: str | None = None,
+                    max_connections: int = MAX_CONNECTIONS) -> tuple["HttpServer", int]:
         """Start serving (https with a certificate chain and its key, PEM); returns the server and
-        its bound port (0 picks a free one). `server.config.ssl` is the TLS context then."""
+        its bound port (0 picks a free one). `server.config.ssl` is the TLS context then. Past
+        `max_connections` open connections a request gets 503 at once."""
         server = cls(uvicorn.Config(app, host=host, port=port, lifespan="off", log_level="warning",
-                                    ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile))
+                                    ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile,
+                                    limit_concurrency=max_connections))
         server.task = asyncio.create_task(server.serve())
         while not server.started:
             if server.task.done():  # failed to bind: raise its error

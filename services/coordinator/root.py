@@ -12,7 +12,7 @@ import logging
 from pathlib import Path
 
 from specd import audit
-from specd.contracts import EngineInfo
+from specd.contracts import MAX_K, EngineInfo
 from specd.loop import Services
 from specd.protocols import Drafter, Verifier
 from specd.model_free import SuffixDrafter
@@ -20,10 +20,10 @@ from specd.outage import DRAFT_TIMEOUT_S, DraftOutage
 from specd.policy import PolicyConfig
 from services.common import discovery, settings
 from services.common.client import NetworkDelay
-from services.common.tls import CALLER, TlsFiles
+from services.common.tls import CALLER, EdgeTls, TlsFiles, refuse_plaintext
 from services.coordinator.auth import ApiKeys
 from services.coordinator.frontend import Frontend
-from services.coordinator.gateway import DEFAULT_HTTP_PORT, MAX_BODY_BYTES
+from services.coordinator.gateway import DEFAULT_HTTP_PORT, MAX_BODY_BYTES, MAX_CONNECTIONS
 from services.coordinator.model_info import load_model_info
 from services.coordinator.quotas import QuotaLimits, Quotas
 from services.coordinator.requests import Limits
@@ -54,10 +54,13 @@ def audit_rate(value: str) -> float:
         raise argparse.ArgumentTypeError(f"audit rate must be a fraction in [0, 1] (0: off), got {value!r}")
 
 
-def parse(argv: list[str] | None) -> argparse.Namespace:
+def parse(argv: list[str] | None, edges: bool = False) -> argparse.Namespace:
+    """`edges`: this process serves the gRPC and REST edges on --host itself (`python -m
+    services.coordinator`): plaintext there is refused off loopback unless --insecure. The Ray
+    ingress parses the same flags, but Ray's proxy serves its HTTP."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    return _checked(parser, args)
+    return _checked(parser, args, edges)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,13 +86,29 @@ def build_parser() -> argparse.ArgumentParser:
                       "the session stays resumable")
     settings.add(parser, "--tls-dir", type=Path,
                  help="mutual TLS to the model services: ca.pem, coordinator.pem, coordinator-key.pem (`specd certs`); "
-                      "each replica must present its role's certificate (unset: plaintext)")
+                      "each replica must present its role's certificate; when the files change, the pools make new "
+                      "channels with them (unset: plaintext)")
+    settings.add(parser, "--edge-tls-cert", type=Path,
+                 help="TLS at the client edges (gRPC and REST): this server certificate chain (PEM, e.g. a "
+                      "kubernetes.io/tls Secret's tls.crt), with --edge-tls-key; clients need no certificate (API "
+                      "keys); read again for new connections when it changes (unset: plaintext, on loopback only "
+                      "unless --insecure)")
+    settings.add(parser, "--edge-tls-key", type=Path, help="the private key of --edge-tls-cert (PEM)")
+    settings.add_switch(parser, "--insecure",
+                        help="serve the client edges in plaintext (no --edge-tls-cert) on an address that is not "
+                             "loopback-only, e.g. 0.0.0.0 (refused otherwise): TLS ends before them (an ingress, a "
+                             "mesh); the variable takes 1")
     settings.add(parser, "--redis-url", help="session store, e.g. redis://127.0.0.1:6379/0")
     settings.add(parser, "--redis-password-file", type=Path,
                  help="the session store's password (a mounted Secret), when it is not in the URL")
+    settings.add(parser, "--require-durable-store", default="on", choices=("on", "off"),
+                 help="refuse to start unless the session store fsyncs every write before it answers (Redis "
+                      "appendonly yes, appendfsync always): tokens a client received then survive a crash of the "
+                      "store's host (off: a managed store that hides its settings, or a throwaway one)")
     settings.add(parser, "--session-ttl-s", type=float, default=3600.0, help="idle sessions expire after this")
     settings.add(parser, "--default-k", type=int, default=Limits.default_k, help="draft tokens per round")
-    settings.add(parser, "--max-k", type=int, default=Limits.max_k, help="largest K a request may ask for")
+    settings.add(parser, "--max-k", type=int, default=Limits.max_k,
+                 help=f"largest K a request may ask for (at most {MAX_K}, the model services' limit)")
     settings.add(parser, "--draft-confidence", type=confidence, default=Limits.min_confidence,
                  help="adaptive K: the draft stops after a token it gave a probability below this (0: off)")
     settings.add(parser, "--calibrate", default="on", choices=("on", "off"),
@@ -114,11 +133,20 @@ def build_parser() -> argparse.ArgumentParser:
                  help="the model id REST clients name (default: the model's file name less .gguf, or its directory's)")
     settings.add(parser, "--max-body-bytes", type=int, default=MAX_BODY_BYTES,
                  help="largest REST request body, and gRPC request message")
+    settings.add(parser, "--max-connections", type=int, default=MAX_CONNECTIONS,
+                 help="open REST connections at once; past it a request gets 503 at once")
+    settings.add(parser, "--request-timeout-s", type=float, default=Limits.request_timeout_s,
+                 help="a REST request's whole life, its streamed reply included; past it: 504 or a timeout event")
+    settings.add(parser, "--stream-stall-s", type=float, default=Limits.stream_stall_s,
+                 help="a streamed reply ends when one write waits this long on a client that does not read")
     settings.add(parser, "--metrics-port", type=int, default=0, help="serve Prometheus /metrics on this port (0: off)")
+    settings.add(parser, "--health-port", type=int, default=0,
+                 help="also answer gRPC health checks, and nothing else, in plaintext on this port (probes of an edge "
+                      "with TLS: kubelet's gRPC probe speaks none; 0: off)")
     return parser
 
 
-def _checked(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+def _checked(parser: argparse.ArgumentParser, args: argparse.Namespace, edges: bool) -> argparse.Namespace:
     for flag in ("draft_addr", "target_addr"):
         if flag == "draft_addr" and args.draft_addr == NO_DRAFT:
             continue
@@ -130,6 +158,23 @@ def _checked(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argpa
         args.tls = TlsFiles(args.tls_dir, CALLER).check() if args.tls_dir else None
     except ValueError as error:
         parser.error(f"--tls-dir: {error}")
+    args.edge_tls = None
+    if (args.edge_tls_cert is None) != (args.edge_tls_key is None):
+        parser.error("--edge-tls-cert and --edge-tls-key go together: the edge's certificate chain and its key")
+    if args.edge_tls_cert is not None:
+        try:
+            args.edge_tls = EdgeTls(args.edge_tls_cert, args.edge_tls_key).check()
+        except ValueError as error:
+            parser.error(f"--edge-tls-cert / --edge-tls-key: {error}")
+    if edges and not args.edge_tls and not args.insecure and (why := refuse_plaintext(
+            args.host, "the coordinator's gRPC and REST edges", "--edge-tls-cert and --edge-tls-key")):
+        parser.error(why)
+    if not 1 <= args.default_k <= args.max_k <= MAX_K:
+        parser.error(f"--default-k and --max-k: need 1 <= default-k <= max-k <= {MAX_K} (the model services' limit), "
+                     f"got {args.default_k} and {args.max_k}")
+    for positive in ("max_connections", "request_timeout_s", "stream_stall_s"):
+        if getattr(args, positive) <= 0:
+            parser.error(f"--{positive.replace('_', '-')} must be > 0")
     for required in ("model", "redis_url"):
         if getattr(args, required) is None:
             flag = required.replace("_", "-")
@@ -141,6 +186,7 @@ def build(args: argparse.Namespace, drafter: Drafter | None, verifier: Verifier)
     """The frontend over these model-service clients, as the settings say."""
     limits = Limits(
         default_k=args.default_k, max_k=args.max_k, min_confidence=args.draft_confidence,
+        request_timeout_s=args.request_timeout_s, stream_stall_s=args.stream_stall_s,
     )
     if args.inject_rtt_ms:
         rtt_s = args.inject_rtt_ms / 1e3
@@ -152,6 +198,17 @@ def build(args: argparse.Namespace, drafter: Drafter | None, verifier: Verifier)
     quota_limits = QuotaLimits(args.key_max_in_flight, args.key_max_sessions, args.key_tokens_per_minute)
     quotas = Quotas(store.client, quota_limits, args.session_ttl_s)
     return Frontend(services, load_model_info(args.model), limits, args.audit_rate, quotas)
+
+
+class StoreNotDurable(RuntimeError):
+    """The session store could lose what it acknowledged: the coordinator does not start."""
+
+
+async def check_store(store: RedisSessionStore) -> None:
+    """StoreNotDurable unless the store fsyncs every write before it answers (--require-durable-store)."""
+    if why := await store.not_durable():
+        raise StoreNotDurable(f"the session store is not durable: {why}; configure it so, or pass "
+                              "--require-durable-store off (SPECD_REQUIRE_DURABLE_STORE=off) to accept the loss")
 
 
 def api_keys(args: argparse.Namespace) -> ApiKeys:

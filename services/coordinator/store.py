@@ -118,6 +118,22 @@ class RedisSessionStore:
                                    f"caller says {appended_from}; nothing written") from e
             raise
 
+    async def not_durable(self) -> str | None:
+        """Why a Redis crash could lose a save this store acknowledged (and so tokens a client
+        received), or None: it must append every write to its AOF and fsync it before replying."""
+        try:
+            config = {**await self._redis.config_get("appendonly"), **await self._redis.config_get("appendfsync")}
+        except ResponseError as error:  # CONFIG renamed or not allowed (managed Redis)
+            return f"cannot read its persistence settings ({error})"
+        except (ConnectionError, TimeoutError) as error:
+            return f"unreachable ({error})"
+        config = {k.decode() if isinstance(k, bytes) else k: v.decode() if isinstance(v, bytes) else v
+                  for k, v in config.items()}
+        if config.get("appendonly") != "yes" or config.get("appendfsync") != "always":
+            return (f"appendonly {config.get('appendonly')!r}, appendfsync {config.get('appendfsync')!r}: a crash "
+                    "loses the writes not yet fsynced (appendonly yes and appendfsync always lose none)")
+        return None
+
     async def delete(self, session_id: str) -> bool:
         return await self._redis.delete(*self._keys(session_id)) > 0
 
