@@ -289,6 +289,27 @@ def chaos(results: Path) -> str:
     return table(["what", "result"], body)
 
 
+def abuse(results: Path) -> str:
+    """The well-behaved clients alone and beside each abusers' run (`python -m benchmarks.abuse`)."""
+    runs = [load(results, "abuse"), load(results, "abuse_big_chat")]
+    head = ["abusers", "TTFT p99 alone / beside (ms)", "tok/s alone / beside", "ratios (TTFT, tok/s; goal ≤ 1.25)",
+            "5xx", "abusive requests: statuses (longest s)"]
+    body = []
+    for run in runs:
+        alone, beside = run["alone"], run["beside_abusers"]
+        answered = "; ".join(f"{kind} {', '.join(f'{n}×{code}' for code, n in codes.items())} "
+                             f"({beside['longest_s'][kind]:g})" for kind, codes in beside["statuses"].items()
+                             if kind != "good")
+        body.append([", ".join(run["config"]["abusers"]),
+                     f"{alone['ttft_p99_s'] * 1e3:.0f} / {beside['ttft_p99_s'] * 1e3:.0f}",
+                     f"{alone['tokens_per_s']:.0f} / {beside['tokens_per_s']:.0f}",
+                     f"{run['ttft_p99_ratio']:.2f}, {run['tokens_per_s_ratio']:.2f}", str(run["server_errors"]), answered])
+    config = runs[0]["config"]
+    return para(f"{config['deployment']}; {config['good_clients']} streaming clients of {config['good_max_tokens']} "
+                f"tokens, {config['seconds_per_phase']:.0f} s a phase; each key {config['key_max_in_flight']} in flight, "
+                f"stream stall {config['stream_stall_s']:g} s ({runs[0]['machine']['cpu']}):") + "\n" + table(head, body)
+
+
 def _fallback_rows(kind: str, prompts: list[dict], overall: float) -> list[list[str]]:
     body = []
     for prompt in prompts:
@@ -387,6 +408,7 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "goals": goals,
     "rows": rows,
     "chaos": chaos,
+    "abuse": abuse,
     "fallback": fallback,
     "ablation": ablation,
     "before_after": before_after,
