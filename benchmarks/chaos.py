@@ -1,5 +1,6 @@
 """Chaos soak: clients hold multi-turn greedy sessions against `specd up` with pools of two
-draft and two target replicas (the tiny pair in float64, supervised children) and a Redis with
+draft and two target replicas (the tiny pair in float64, or with `--pair real` the fetched GGUF
+pair; supervised children) and a Redis with
 an append-only file, all real processes on loopback, while a schedule kills a draft, target,
 coordinator or Redis process (each kind once in a random order, then again) with SIGKILL every 30-60 s (`specd up` restarts its
 children; Redis is restarted from its AOF after a few seconds, as its own supervisor would).
@@ -12,6 +13,7 @@ every turn's output is checked against the target alone. Reported: turns, errors
 disagree with what the client saw (lost or duplicated tokens: must be 0), and RSS over time.
 
     python -m benchmarks.chaos --minutes 5 --clients 16      # benchmarks/results/chaos.json
+    python -m benchmarks.chaos --pair real --clients 4 --name chaos_real   # the fetched GGUF pair
 """
 
 from __future__ import annotations
@@ -37,10 +39,13 @@ from transformers import AutoModelForCausalLM
 from benchmarks.common import TINY_UP_ENV, descendants, machine, rss_bytes, specd_up_logged, write
 from services.common.redis_server import LocalRedis, free_port
 from services.coordinator.model_info import load_model_info
+from services.models import model_path
+from specd.gguf_model import GGUFModel
 from services.protogen.specd.v1 import coordinator_pb2, coordinator_pb2_grpc
 from tests.tiny import build_tiny_pair
 
 VICTIMS = ("draft", "target", "coordinator", "redis")
+PAIRS = {"tiny": "tiny pair float64", "real": "the real pair (Qwen2.5-Coder 0.5B / 1.5B Q4_K_M GGUF)"}
 RETRYABLE = {"UNAVAILABLE", "ABORTED", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED"}
 TURNS_PER_SESSION = 4
 TOKENS_PER_TURN = 24
@@ -76,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--victims", default=",".join(VICTIMS), help="which processes the schedule may kill")
     parser.add_argument("--name", default="chaos", help="results file: benchmarks/results/<name>.json")
+    parser.add_argument("--pair", default="tiny", choices=("tiny", "real"),
+                        help="the tiny pair in float64, or the fetched GGUF pair (`specd models fetch`) as served")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="specd-chaos-") as tmp:
         result = soak(args, Path(tmp))
@@ -86,12 +93,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def soak(args: argparse.Namespace, tmp: Path) -> dict:
-    draft_dir, target_dir = build_tiny_pair(tmp / "pair")
+    draft_dir, target_dir = build_tiny_pair(tmp / "pair") if args.pair == "tiny" else map(model_path, ("draft", "target"))
     model = load_model_info(target_dir)
     ports = _ports()
     rng = random.Random(args.seed)
     with LocalRedis(dir=tmp / "redis", appendonly=True) as redis:
-        up = _specd_up(draft_dir, target_dir, redis.url, ports, tmp / "specd-up.log")
+        up = _specd_up(draft_dir, target_dir, redis.url, ports, tmp / "specd-up.log", args.pair)
         try:
             tally, kills, rss = Tally(), [], []
             stop = threading.Event()
@@ -122,12 +129,12 @@ def soak(args: argparse.Namespace, tmp: Path) -> dict:
         finally:
             up.send_signal(signal.SIGTERM)
             up.wait(timeout=60)
-    differing = _check(target_dir, tally.checked)
+    differing = (_check if args.pair == "tiny" else _check_gguf)(target_dir, tally.checked)
     only_retryable = all(code in RETRYABLE for code in tally.errors)
     return {
         "machine": machine(),
         "config": {"minutes": args.minutes, "clients": args.clients, "kill_every_s": list(args.kill_every),
-                   "seed": args.seed, "victims": args.victims, "pools": "specd up --draft-replicas 2 --target-replicas 2, tiny pair float64",
+                   "seed": args.seed, "victims": args.victims, "pools": f"specd up --draft-replicas 2 --target-replicas 2, {PAIRS[args.pair]}",
                    "turns_per_session": TURNS_PER_SESSION, "tokens_per_turn": TOKENS_PER_TURN},
         "turns": tally.turns,
         "completed": tally.completed,
@@ -163,14 +170,16 @@ def _free(port: int) -> bool:
     return True
 
 
-def _specd_up(draft_dir: Path, target_dir: Path, redis_url: str, ports: dict[str, int], log: Path) -> subprocess.Popen:
+def _specd_up(draft_dir: Path, target_dir: Path, redis_url: str, ports: dict[str, int], log: Path,
+              pair: str) -> subprocess.Popen:
     argv = ["--draft-replicas", "2", "--target-replicas", "2",
-            "--draft-model", str(draft_dir), "--target-model", str(target_dir),
-            "--draft-quantize", "none", "--target-quantize", "none", "--redis-url", redis_url,
+            "--draft-model", str(draft_dir), "--target-model", str(target_dir), "--redis-url", redis_url,
             "--coordinator-port", str(ports["coordinator"]), "--draft-port", str(ports["draft"]),
             "--target-port", str(ports["target"]), "--http-port", "-1",
             "--draft-metrics-port", "0", "--target-metrics-port", "0", "--audit-rate", "0"]
-    return specd_up_logged(argv, log, TINY_UP_ENV)
+    if pair == "tiny":
+        return specd_up_logged([*argv, "--draft-quantize", "none", "--target-quantize", "none"], log, TINY_UP_ENV)
+    return specd_up_logged(argv, log, {}, timeout_s=900)  # the GGUF files as `specd up` serves them
 
 
 def _client(index: int, address: str, model, tally: Tally, stop: threading.Event, seed: float) -> None:
@@ -311,6 +320,16 @@ def _check(target_dir: Path, turns: list[Turn]) -> int:
             generated = model.generate(context, attention_mask=torch.ones_like(context), do_sample=False,
                                        max_new_tokens=len(turn.output), pad_token_id=0)
             differing += generated[0, len(turn.context):].tolist() != turn.output
+    return differing
+
+
+def _check_gguf(target_file: Path, turns: list[Turn]) -> int:
+    """Turns whose output is not the GGUF target's alone: one pass over context + output, each output
+    position's argmax (the decoder's rows are its one-row steps bit for bit, specd/csrc/decoder.c)."""
+    model, differing = GGUFModel(target_file), 0
+    for turn in turns:
+        rows = model.forward([model.new_cache()], [turn.context + turn.output], [len(turn.output) + 1])[0]
+        differing += rows[:-1].argmax(-1).tolist() != turn.output
     return differing
 
 
