@@ -268,8 +268,8 @@ def rows(results: Path) -> str:
     return head + table(["rows", *counts, "llama-server"], body)
 
 
-def chaos(results: Path) -> str:
-    run = load(results, "chaos")
+def chaos(results: Path, name: str = "chaos") -> str:
+    run = load(results, name)
     config, kills = run["config"], run["kills"]
     totals = [sample["total_mb"] / 1e3 for sample in run["rss"]]
     errors = "; ".join(f'{n} × {code} ("{run["error_examples"][code]}")' for code, n in run["errors"].items())
@@ -408,6 +408,7 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "goals": goals,
     "rows": rows,
     "chaos": chaos,
+    "chaos_real": lambda results: chaos(results, "chaos_real"),
     "abuse": abuse,
     "fallback": fallback,
     "ablation": ablation,
