@@ -51,6 +51,12 @@ def use(monkeypatch, cache: Path) -> None:
     monkeypatch.setattr(native.ctypes, "CDLL", lambda *a, **k: pytest.fail("loaded an untrusted library"))
 
 
+def assert_refused(path: Path, why: str) -> None:
+    """library() refuses the cache, naming `path` and `why` (a pattern)."""
+    with pytest.raises(native.UntrustedCache, match=rf"{re.escape(str(path))}.*{why}"):
+        native.library(native.default_march())
+
+
 def copy_of(built: Path, tmp_path: Path) -> tuple[Path, Path]:
     """(directory, library) of a copy of the built cache, modes kept."""
     cache = shutil.copytree(built, tmp_path.resolve() / "kernels")  # as library() names it in a refusal
@@ -74,16 +80,14 @@ def test_a_cache_directory_others_can_write_is_refused_before_building(built, tm
     cache.mkdir()
     cache.chmod(mode)
     use(monkeypatch, cache)
-    with pytest.raises(native.UntrustedCache, match=rf"{re.escape(str(cache))}.*writable by others"):
-        native.library(native.default_march())
+    assert_refused(cache, "writable by others")
 
 
 def test_a_cache_directory_others_can_write_is_refused_with_a_library_in_it(built, tmp_path, monkeypatch):
     cache, _ = copy_of(built, tmp_path)
     cache.chmod(0o775)
     use(monkeypatch, cache)
-    with pytest.raises(native.UntrustedCache, match=rf"{re.escape(str(cache))}.*writable by others"):
-        native.library(native.default_march())
+    assert_refused(cache, "writable by others")
 
 
 @pytest.mark.parametrize("mode", [0o664, 0o646], ids=["group-writable", "world-writable"])
@@ -91,8 +95,7 @@ def test_a_library_others_can_write_is_refused(built, tmp_path, monkeypatch, mod
     cache, library = copy_of(built, tmp_path)
     library.chmod(mode)
     use(monkeypatch, cache)
-    with pytest.raises(native.UntrustedCache, match=rf"{re.escape(str(library))}.*writable by others"):
-        native.library(native.default_march())
+    assert_refused(library, "writable by others")
 
 
 def test_a_symbolic_link_in_place_of_the_library_is_refused(built, tmp_path, monkeypatch):
@@ -102,8 +105,7 @@ def test_a_symbolic_link_in_place_of_the_library_is_refused(built, tmp_path, mon
     library.unlink()
     library.symlink_to(elsewhere)
     use(monkeypatch, cache)
-    with pytest.raises(native.UntrustedCache, match=rf"{re.escape(str(library))}.*symbolic link"):
-        native.library(native.default_march())
+    assert_refused(library, "symbolic link")
 
 
 @pytest.mark.parametrize("what", ["library", "directory"])
@@ -114,5 +116,4 @@ def test_a_cache_of_another_user_is_refused(built, tmp_path, monkeypatch, what):
     owned = library if what == "library" else cache
     os.chown(owned, OTHER_UID, -1)
     use(monkeypatch, cache)
-    with pytest.raises(native.UntrustedCache, match=rf"{re.escape(str(owned))}.*uid {OTHER_UID}"):
-        native.library(native.default_march())
+    assert_refused(owned, f"uid {OTHER_UID}")

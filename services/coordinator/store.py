@@ -27,8 +27,8 @@ from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError, ResponseError, TimeoutError
 
 from specd.policy import PolicyState
-from services.coordinator.quotas import owner_tag
 from specd.session import Fenced, Lease, SessionNotFound, SessionState
+from services.coordinator.quotas import owner_tag
 
 # KEYS: meta, tokens. ARGV: create ("1"/"0"), ttl_ms, owner. Returns nil (unknown id, or another
 # owner's: the same answer, so an id is no oracle) or {epoch, state, tokens}. The owner is checked and
