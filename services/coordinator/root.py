@@ -169,9 +169,9 @@ def _checked(parser: argparse.ArgumentParser, args: argparse.Namespace, edges: b
     if edges and not args.edge_tls and not args.insecure and (why := refuse_plaintext(
             args.host, "the coordinator's gRPC and REST edges", "--edge-tls-cert and --edge-tls-key")):
         parser.error(why)
-    if not 1 <= args.default_k <= args.max_k <= MAX_K:
-        parser.error(f"--default-k and --max-k: need 1 <= default-k <= max-k <= {MAX_K} (the model services' limit), "
-                     f"got {args.default_k} and {args.max_k}")
+    if not (1 <= args.max_k <= MAX_K and args.default_k >= 1):  # a default above max-k is capped by it
+        parser.error(f"--default-k and --max-k: need default-k >= 1 and 1 <= max-k <= {MAX_K} (the model services' "
+                     f"limit), got {args.default_k} and {args.max_k}")
     for positive in ("max_connections", "request_timeout_s", "stream_stall_s"):
         if getattr(args, positive) <= 0:
             parser.error(f"--{positive.replace('_', '-')} must be > 0")
