@@ -205,7 +205,11 @@ async def _until_disconnected(request: Request, work: Awaitable[T]) -> T | None:
 
 
 async def _disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
+    await _disconnected_from(request.receive)
+
+
+async def _disconnected_from(receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
         pass
 
 
@@ -239,11 +243,28 @@ async def _stream(events: AsyncIterator[Chunk | Finished], reply: Reply, usage: 
 class BoundedStream(StreamingResponse):
     """A stream with an end: a client that stops reading blocks a write, and one write waiting past
     `stream_stall_s`, or the request past its `deadline` (loop time), ends it. The generation is
-    closed either way, so its quota slot and the model services' work go back at once."""
+    closed either way, to its end, so its quota slot and the model services' work go back at once."""
 
     def __init__(self, content: AsyncIterator[str], limits: requests.Limits, deadline: float, **kwargs):
         super().__init__(content, **kwargs)
-        self.limits, self.deadline = limits, deadline
+        self.limits, self.deadline, self._sent_all = limits, deadline, False
+
+    async def __call__(self, scope, receive, send) -> None:
+        """Starlette's own cancels the stream with an anyio scope, again at every await, as soon as
+        receive says "disconnected" (uvicorn does once the last byte is out): the generation's clean-up
+        would be cut short. One plain cancel, and only while the client can still be written to."""
+        streaming = asyncio.ensure_future(self.stream_response(send))
+        leaving = asyncio.ensure_future(_disconnected_from(receive))
+        try:
+            await asyncio.wait({streaming, leaving}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            leaving.cancel()
+            if not self._sent_all:
+                streaming.cancel()
+            with contextlib.suppress(asyncio.CancelledError, OSError):
+                await streaming
+        if self.background is not None:
+            await self.background()
 
     async def stream_response(self, send) -> None:
         stall_s, loop = self.limits.stream_stall_s, asyncio.get_running_loop()
@@ -259,10 +280,13 @@ class BoundedStream(StreamingResponse):
                     if loop.time() >= self.deadline:  # also when a layer below swallowed the deadline's cancel
                         raise TimeoutError
                     await bounded({"type": "http.response.body", "body": chunk.encode(), "more_body": True})
+                self._sent_all = True
                 await bounded({"type": "http.response.body", "body": b"", "more_body": False})
         except TimeoutError:
             log.warning("a streamed reply ended: its client read nothing for %g s, or it ran past its deadline",
                         stall_s)
+            await self.body_iterator.aclose()  # before the last word: a client told "done" finds its slot free
+            self._sent_all = True
             with contextlib.suppress(TimeoutError, OSError):  # a last word, if the client still reads
                 done = _sse(error_body(_timed_out(self.limits), "server_error", "timeout")) + "data: [DONE]\n\n"
                 async with asyncio.timeout(stall_s):
