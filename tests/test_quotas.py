@@ -58,6 +58,8 @@ def test_a_key_over_its_requests_in_flight_gets_resource_exhausted_with_retry_af
         reply = completion(http(cluster, "alice"))
         assert reply.status_code == 429 and 1 <= int(reply.headers["retry-after"]) <= 30
         assert reply.json()["error"]["type"] == "rate_limit_error"
+        too_large = http(cluster, "alice").post("/v1/completions", content=b"x" * (2 << 20))
+        assert too_large.status_code == 429  # not 413: refused from its headers, before its body was read
         assert completion(http(cluster, "bob")).status_code == 200  # another key: its own budget
         for stream in streams:
             stream.cancel()
@@ -65,6 +67,29 @@ def test_a_key_over_its_requests_in_flight_gets_resource_exhausted_with_retry_af
     while completion(http(cluster, "alice")).status_code == 429:
         assert time.monotonic() < deadline
         time.sleep(0.2)
+
+
+def test_a_key_over_its_request_rate_is_refused_before_its_body_is_read(tiny_pair, redis_url, tmp_path_factory):
+    keys_file = tmp_path_factory.mktemp("keys") / "api-keys"
+    names = {who: f"rate-{who}-{time.time_ns()}" for who in KEYS}  # rate cells of their own in the shared Redis
+    keys_file.write_text("".join(f"{names[who]}:{key}\n" for who, key in KEYS.items()))
+    cluster = Cluster(*tiny_pair, redis_url, keys=ApiKeys.from_file(keys_file),
+                      quotas=QuotaLimits(requests_per_minute=6))  # one every 10 s, a burst of one
+    try:
+        alice = http(cluster, "alice")
+        assert completion(alice).status_code == 200
+        refused = completion(alice)
+        assert refused.status_code == 429 and "requests a minute" in refused.json()["error"]["message"]
+        assert 5 <= int(refused.headers["retry-after"]) <= 10
+        assert alice.post("/v1/completions", content=b"x" * (2 << 20)).status_code == 429  # not 413: no body read
+        with grpc.insecure_channel(cluster.address("coordinator")) as channel:
+            with pytest.raises(grpc.RpcError) as over:
+                cluster.coordinator(channel).Complete(coordinator_pb2.GenerateRequest(text="Hi", max_tokens=2),
+                                                      metadata=auth("alice"), timeout=30)
+        assert over.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert completion(http(cluster, "bob")).status_code == 200  # another key: its own rate
+    finally:
+        cluster.close()
 
 
 def test_a_key_cannot_hold_more_named_sessions_than_its_quota_nor_crowd_out_another(cluster):

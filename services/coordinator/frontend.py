@@ -89,6 +89,12 @@ class Frontend:
         self.metrics = CoordinatorMetrics()  # every edge's requests; served by the process (/metrics)
         self.auditor = Auditor(services, audit_rate, on_outcome=self.metrics.audited)  # specd/audit.py
 
+    async def knock(self, owner: str) -> None:
+        """QuotaExceeded before a request is read, when `owner` is over its rate or its requests in flight."""
+        if self.quotas:
+            with translated():
+                await self.quotas.knock(owner)
+
     async def generate(
         self, request: GenerationRequest, session_id: str = "", owner: str = "", request_id: str = ""
     ) -> AsyncIterator[Chunk | Finished]:

@@ -131,6 +131,7 @@ def create_app(frontend: Frontend, keys: ApiKeys, model_name: str, max_body_byte
 
     _add_error_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    app.add_middleware(KeyGate, keys=keys, frontend=frontend)  # outside BodyLimit: before any body is read
     app.openapi = lambda: _openapi(app, model_name)
     instrument_app(app)  # a server span per request when tracing is on: the root of the request's trace
     return app
@@ -318,6 +319,14 @@ def _error(error: Exception) -> tuple[int, dict]:
     return 500, error_body(f"internal error (error id {error_id})", "server_error")
 
 
+def _error_response(error: Exception) -> JSONResponse:
+    status, payload = _error(error)
+    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    if isinstance(error, QuotaExceeded):
+        headers = {"Retry-After": str(error.retry_after_s)}
+    return JSONResponse(payload, status_code=status, headers=headers)
+
+
 def _message(error: Exception) -> str:
     if not isinstance(error, RequestValidationError):
         return str(error)
@@ -328,11 +337,7 @@ def _message(error: Exception) -> str:
 
 def _add_error_handlers(app: FastAPI) -> None:
     async def handle(request: Request, error: Exception) -> JSONResponse:
-        status, payload = _error(error)
-        headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
-        if isinstance(error, QuotaExceeded):
-            headers = {"Retry-After": str(error.retry_after_s)}
-        return JSONResponse(payload, status_code=status, headers=headers)
+        return _error_response(error)
 
     async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
@@ -342,6 +347,29 @@ def _add_error_handlers(app: FastAPI) -> None:
                  DownstreamFailed, QuotaExceeded):
         app.add_exception_handler(kind, handle)
     app.add_exception_handler(StarletteHTTPException, http_error)
+
+
+class KeyGate:
+    """A generation request's key and its key's request rate and requests in flight, from the headers,
+    before the body is read: a key over its limits costs the edge no body (401 / 429 + Retry-After)."""
+
+    GATED = frozenset({"/v1/completions", "/v1/chat/completions"})
+
+    def __init__(self, app, keys: ApiKeys, frontend: Frontend):
+        self.app, self.keys, self.frontend = app, keys, frontend
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in self.GATED:
+            try:
+                await self.frontend.knock(self.keys.owner(_header(scope, b"authorization")))
+            except (Unauthenticated, QuotaExceeded, DownstreamFailed) as error:
+                return await _error_response(error)(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
+def _header(scope, name: bytes) -> str | None:
+    value = dict(scope["headers"]).get(name)
+    return value.decode("latin-1") if value is not None else None
 
 
 class BodyLimit:
@@ -357,16 +385,17 @@ class BodyLimit:
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
             return await self._too_large(scope, receive, send)
-        body, more = b"", True
+        parts, size, more = [], 0, True
         while more:
             message = await receive()
             if message["type"] != "http.request":
                 return await self.app(scope, _replay([message], receive), send)
-            body += message.get("body", b"")
+            parts.append(message.get("body", b""))
+            size += len(parts[-1])
             more = message.get("more_body", False)
-            if len(body) > self.max_bytes:
+            if size > self.max_bytes:
                 return await self._too_large(scope, receive, send)
-        return await self.app(scope, _replay([{"type": "http.request", "body": body}], receive), send)
+        return await self.app(scope, _replay([{"type": "http.request", "body": b"".join(parts)}], receive), send)
 
     async def _too_large(self, scope, receive, send):
         payload = error_body(f"the request body exceeds {self.max_bytes} bytes", code="request_too_large")

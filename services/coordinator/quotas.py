@@ -1,4 +1,5 @@
-"""Per-key quotas at the edge: requests in flight, named sessions held, tokens per minute.
+"""Per-key quotas at the edge: requests in flight, named sessions held, tokens per minute, requests
+per minute.
 
 Counted in Redis, so every coordinator replica draws on one budget per key. A request reserves
 its prompt and `max_tokens` against the key's minute when it is admitted and gets back what it did
@@ -7,6 +8,10 @@ whose coordinator died stops counting when the lease runs out. A refused request
 QuotaExceeded with the seconds after which a retry may pass (429 + Retry-After at the REST edge,
 RESOURCE_EXHAUSTED + retry-after at the gRPC edge). The anonymous owner of an edge without API
 keys is not limited: these are per-key quotas.
+
+`knock` is the part that needs nothing but the key: the request rate, and a key whose requests in
+flight are at its limit already. The REST edge asks it before it reads a body, so a key over its
+limits costs a header and one Redis call, not a mebibyte parsed.
 """
 
 from __future__ import annotations
@@ -62,6 +67,29 @@ return {0, 0}
 """
 
 
+# KEYS: in-flight zset, the key's request-rate cell. ARGV: now_ms, max in flight, ms between requests
+# (0: no rate), burst tolerance in ms. The rate is GCRA: the cell holds when the key's next request is
+# due; a request may come up to the tolerance early. Returns {0} (pass) or {why, retry_after_ms}.
+KNOCK_LUA = """
+local now = tonumber(ARGV[1])
+local max_in_flight = tonumber(ARGV[2])
+if max_in_flight > 0 and redis.call('ZCOUNT', KEYS[1], now + 1, '+inf') >= max_in_flight then
+  local first = redis.call('ZRANGEBYSCORE', KEYS[1], now + 1, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
+  return {1, math.min(1000, tonumber(first[2]) - now)}
+end
+local interval, tolerance = tonumber(ARGV[3]), tonumber(ARGV[4])
+if interval > 0 then
+  local due = math.max(tonumber(redis.call('GET', KEYS[2]) or '0'), now)
+  if due - now > tolerance then
+    return {4, due - now - tolerance}
+  end
+  redis.call('SET', KEYS[2], due + interval, 'PX', math.ceil(due + interval - now))
+end
+return {0, 0}
+"""
+RATE_BURST_S = 10  # a key may send this many seconds' worth of its request rate at once
+
+
 @dataclass(frozen=True)
 class QuotaLimits:
     """Per API key; 0: unbounded."""
@@ -69,6 +97,7 @@ class QuotaLimits:
     in_flight: int = 16  # requests at once
     sessions: int = 32  # named sessions held (a model service keeps 64 caches by default)
     tokens_per_minute: int = 0  # prompt + generated tokens
+    requests_per_minute: int = 1200  # requests started, in bursts of up to RATE_BURST_S seconds' worth
 
 
 class QuotaExceeded(Exception):
@@ -94,12 +123,25 @@ class Quotas:
         self.limits, self.session_ttl_s, self._prefix = limits, session_ttl_s, prefix
         self._redis = client
         self._admit = client.register_script(ADMIT_LUA)
+        self._knock = client.register_script(KNOCK_LUA)
 
     def _keys(self, owner: str, window: int) -> list[str]:
         return [self._key(owner, "in-flight"), self._key(owner, f"tokens:{window}"), self._key(owner, "sessions")]
 
     def _key(self, owner: str, name: str) -> str:
         return f"{self._prefix}:quota:{{{owner_tag(owner)}}}:{name}"  # one hash slot per key (Redis Cluster)
+
+    async def knock(self, owner: str) -> None:
+        """QuotaExceeded if `owner` is over its request rate, or at its limit of requests in flight."""
+        if not owner:
+            return
+        limits = self.limits
+        interval_ms = 60_000 / limits.requests_per_minute if limits.requests_per_minute else 0
+        burst = max(1, limits.requests_per_minute * RATE_BURST_S // 60)
+        why, retry_ms = await self._knock(keys=[self._key(owner, "in-flight"), self._key(owner, "requests")], args=[
+            int(time.time() * 1000), limits.in_flight, interval_ms, interval_ms * (burst - 1)])
+        if why:
+            raise QuotaExceeded(_refusal(int(why), limits), float(retry_ms) / 1000)
 
     @contextlib.asynccontextmanager
     async def admit(self, owner: str, prompt_tokens: int, max_tokens: int, session_id: str = "") -> AsyncIterator[Ticket]:
@@ -156,4 +198,5 @@ def _refusal(why: int, limits: QuotaLimits) -> str:
            "reserved per request, unused tokens returned)",
         3: f"this API key holds {limits.sessions} sessions, its limit: release one "
            "(DELETE /v1/sessions/{id}) or let one expire",
+        4: f"this API key sent more than its {limits.requests_per_minute} requests a minute: slow down",
     }[why]

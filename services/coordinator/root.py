@@ -25,7 +25,7 @@ from services.coordinator.auth import ApiKeys
 from services.coordinator.frontend import Frontend
 from services.coordinator.gateway import DEFAULT_HTTP_PORT, MAX_BODY_BYTES, MAX_CONNECTIONS
 from services.coordinator.model_info import load_model_info
-from services.coordinator.quotas import QuotaLimits, Quotas
+from services.coordinator.quotas import RATE_BURST_S, QuotaLimits, Quotas
 from services.coordinator.requests import Limits
 from services.coordinator.store import RedisSessionStore
 from services.target import client as target_client
@@ -129,6 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
                  help="named sessions one API key may hold (0: no limit)")
     settings.add(parser, "--key-tokens-per-minute", type=int, default=QuotaLimits.tokens_per_minute,
                  help="prompt + generated tokens one API key may use per minute (0: no limit)")
+    settings.add(parser, "--key-requests-per-minute", type=int, default=QuotaLimits.requests_per_minute,
+                 help=f"requests one API key may start per minute, in bursts of up to {RATE_BURST_S} s worth (0: no limit); "
+                      "checked before a request's body is read")
     settings.add(parser, "--served-model-name",
                  help="the model id REST clients name (default: the model's file name less .gguf, or its directory's)")
     settings.add(parser, "--max-body-bytes", type=int, default=MAX_BODY_BYTES,
@@ -195,7 +198,8 @@ def build(args: argparse.Namespace, drafter: Drafter | None, verifier: Verifier)
     store = RedisSessionStore(args.redis_url, ttl_s=args.session_ttl_s, password=password)
     model_free = SuffixDrafter() if args.model_free == "on" else None
     services = Services(drafter, verifier, store, DraftOutage(args.draft_timeout_s), model_free)
-    quota_limits = QuotaLimits(args.key_max_in_flight, args.key_max_sessions, args.key_tokens_per_minute)
+    quota_limits = QuotaLimits(args.key_max_in_flight, args.key_max_sessions, args.key_tokens_per_minute,
+                               args.key_requests_per_minute)
     quotas = Quotas(store.client, quota_limits, args.session_ttl_s)
     return Frontend(services, load_model_info(args.model), limits, args.audit_rate, quotas)
 

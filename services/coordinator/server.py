@@ -37,7 +37,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self, request: coordinator_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[coordinator_pb2.GenerateResponse]:
         owner = await self._owner(context)
-        generation = await self._validated(request, context)
+        generation = await self._validated(request, owner, context)
         async for event in self._events(generation, request, owner, context):
             yield convert.stream_response(event, len(generation.prompt))
 
@@ -45,7 +45,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self, request: coordinator_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> coordinator_pb2.CompleteResponse:
         owner = await self._owner(context)
-        generation = await self._validated(request, context)
+        generation = await self._validated(request, owner, context)
         async with contextlib.aclosing(self._events(generation, request, owner, context)) as events:
             async for event in events:
                 if isinstance(event, Finished):
@@ -70,8 +70,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         except Unauthenticated as e:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(e))
 
-    async def _validated(self, request, context: grpc.aio.ServicerContext) -> GenerationRequest:
+    async def _validated(self, request, owner: str, context: grpc.aio.ServicerContext) -> GenerationRequest:
         async with _statuses(context, request.session_id):
+            await self.frontend.knock(owner)  # before the tokeniser's work, as the REST edge before the body
             return await asyncio.to_thread(requests.generation_request, convert.client_request(request),
                                            self.frontend.model, self.frontend.limits)  # tokenising: off the event loop
 
