@@ -54,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     certs.add_argument("--keep", action="store_true", help="do nothing when the directory has a set already")
     certs.add_argument("--redis-host", action="append", default=[],
                        help="another name Redis is reached by, for its certificate (repeatable)")
+    _add_edge_hosts(certs)
     certs.set_defaults(run=cmd_certs)
 
     up = commands.add_parser("up", help="start draft, target and coordinator on this machine and wait")
@@ -89,6 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
                       "this run unless --tls-dir is given (off: plaintext on loopback)")
     settings.add(up, "--tls-dir", type=Path, help="with --service-tls on: use this `specd certs` set (to call the "
                  "model services yourself with its coordinator certificate)")
+    settings.add(up, "--edge-tls-cert", type=Path, help="the coordinator's gRPC and REST edges on TLS with this "
+                 "server certificate chain (PEM; `specd certs` writes edge.pem), with --edge-tls-key "
+                 "(unset: plaintext)")
+    settings.add(up, "--edge-tls-key", type=Path, help="the private key of --edge-tls-cert (PEM; edge-key.pem)")
     settings.add_switch(up, "--insecure", help="with a --host that is not loopback: let the coordinator's edges (and "
                         "with --service-tls off the model services) serve plaintext there; each refuses otherwise")
     _add_model_paths(up)
@@ -117,6 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
     health.add_argument("--tls-dir", type=Path, help="a model service on mutual TLS: check with the coordinator's "
                         "certificate from this directory (or ask its plaintext --health-port instead)")
     health.add_argument("--role", choices=("draft", "target"), help="with --tls-dir: the service's role")
+    health.add_argument("--edge-ca", type=Path, help="a coordinator whose edge serves TLS: verify its certificate "
+                        "against this CA (PEM; `specd certs`' ca.pem) and the address's host name")
     health.set_defaults(run=cmd_health)
 
     ray = commands.add_parser("serve-ray", help="the Ray Serve application on a local Ray (services/ray_app.py)")
@@ -151,6 +158,11 @@ def main(argv: list[str] | None = None) -> None:
             settings.check_quantize(role, getattr(args, f"{role}_quantize"))
         except ValueError as error:
             subcommand(parser, args.command).error(str(error))
+    if args.command == "up":
+        try:
+            up.edge_tls_of(args)  # a missing file or a key that is not the certificate's: before anything starts
+        except ValueError as error:
+            subcommand(parser, args.command).error(str(error))
     args.passed = passed
     sys.exit(args.run(args))
 
@@ -170,6 +182,14 @@ def _add_model_paths(command: argparse.ArgumentParser) -> None:
     for role in ("draft", "target"):
         settings.add(command, f"--{role}-model", type=Path, aliases=(f"--{role}-model-dir",),
                      help=f"serve this {role} (a GGUF file or an HF model directory) instead of the fetched one")
+
+
+def _add_edge_hosts(command: argparse.ArgumentParser) -> None:
+    from services.common.certs import EDGE_HOSTS
+
+    command.add_argument("--edge-host", action="append", default=[],
+                         help="a name clients reach the coordinator's edge by, for the edge's certificate (edge.pem; "
+                              f"repeatable; default: {' and '.join(EDGE_HOSTS)})")
 
 
 def _add_quantize(command: argparse.ArgumentParser) -> None:
@@ -210,7 +230,13 @@ def cmd_certs(args: argparse.Namespace) -> int:
     if args.keep and (args.dir / CA_FILE).exists():
         print(f"{args.dir}: a certificate set exists already; nothing changed")
         return 0
-    for path in certs.make(args.dir, args.days, args.owner, redis_hosts=tuple(args.redis_host)):
+    try:
+        written = certs.make(args.dir, args.days, args.owner, redis_hosts=tuple(args.redis_host),
+                             edge_hosts=tuple(args.edge_host))
+    except ValueError as error:  # a host name that is a service's own
+        print(f"specd certs: {error}", file=sys.stderr)
+        return 2
+    for path in written:
         print(f"wrote {path}")
     return 0
 
@@ -287,9 +313,24 @@ def cmd_health(args: argparse.Namespace) -> int:
     if args.tls_dir and not args.role:
         print("specd health: --tls-dir needs --role draft|target", file=sys.stderr)
         return 2
-    serving = up.serving(args.address, args.timeout, args.tls_dir, args.role)
-    print("SERVING" if serving else "NOT SERVING")
-    return 0 if serving else 1
+    if args.tls_dir and args.edge_ca:
+        print("specd health: --tls-dir (a model service) or --edge-ca (a coordinator's edge), not both",
+              file=sys.stderr)
+        return 2
+    edge = None
+    if args.edge_ca:
+        from services.common.tls import EdgeTrust
+
+        try:
+            edge = EdgeTrust.from_ca(args.edge_ca)
+        except ValueError as error:
+            print(f"specd health: --edge-ca: {error}", file=sys.stderr)
+            return 2
+    why = up.not_serving(args.address, args.timeout, args.tls_dir, args.role, edge)
+    print("SERVING" if why is None else "NOT SERVING")
+    if why is not None:  # e.g. UNAVAILABLE: ... a certificate that did not verify, a refused connection
+        print(f"specd health: {args.address}: {why}", file=sys.stderr)
+    return 0 if why is None else 1
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

@@ -11,6 +11,7 @@ import signal
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -19,6 +20,9 @@ from services.common import settings
 from services.common.phoenix import PROJECT, LocalPhoenix
 from services.common.redis_server import LocalRedis
 from services.common.supervisor import Supervisor, describe
+
+if TYPE_CHECKING:  # imported where used: `specd health` (every healthcheck) need not load cryptography
+    from services.common.tls import EdgeTls, EdgeTrust
 
 PORTS = {"coordinator": 50051, "draft": 50052, "target": 50053}
 METRICS_PORTS = {"draft": 9101, "target": 9102}  # Prometheus /metrics of the model services
@@ -49,6 +53,16 @@ def tls_dir_of(args: argparse.Namespace, run_dir: Path) -> Path | None:
     if args.service_tls == "off":
         return None
     return args.tls_dir or run_dir / "tls"
+
+
+def edge_tls_of(args: argparse.Namespace) -> EdgeTls | None:
+    """The coordinator's edge certificate under `specd up` (--edge-tls-cert and --edge-tls-key, checked
+    before any child starts), or None: plaintext, on loopback unless --insecure."""
+    from services.common.tls import EdgeTls
+
+    if (args.edge_tls_cert is None) != (args.edge_tls_key is None):
+        raise ValueError("--edge-tls-cert and --edge-tls-key go together: the edge's certificate chain and its key")
+    return EdgeTls(args.edge_tls_cert, args.edge_tls_key).check() if args.edge_tls_cert else None
 
 
 def local_redis() -> LocalRedis:
@@ -103,6 +117,8 @@ def commands(
         coordinator += ["--api-keys-file", str(args.api_keys_file)]
     if tls_dir:
         coordinator += ["--tls-dir", str(tls_dir)]
+    if args.edge_tls_cert:
+        coordinator += ["--edge-tls-cert", str(args.edge_tls_cert), "--edge-tls-key", str(args.edge_tls_key)]
     if args.draft_confidence is not None:
         coordinator += ["--draft-confidence", args.draft_confidence]
     if args.audit_rate is not None:
@@ -122,6 +138,7 @@ def _run_services(
     # The coordinator reads the store's URL (and its password) from its environment, never argv.
     os.environ[settings.env_name("redis-url")] = redis_url
     children = Supervisor(commands(args, paths, cores_lock, tls_dir))
+    edge = edge_tls_of(args)
     stopping = False
 
     def stop(*_):
@@ -132,14 +149,16 @@ def _run_services(
     signal.signal(signal.SIGINT, stop)
     try:
         children.start()
-        _wait_ready([(a, role) for role in ("draft", "target", "coordinator") for a in addr[role]], children, tls_dir)
+        _wait_ready([(a, role) for role in ("draft", "target", "coordinator") for a in addr[role]], children, tls_dir,
+                    edge and edge.trusted_as_itself())
         print(
             f"specd is up: coordinator {addr['coordinator'][0]} (draft {','.join(addr['draft']) or settings.NO_DRAFT}, "
             f"target {','.join(addr['target'])}, sessions in {without_password(redis_url)})",
             flush=True,
         )
         if args.http_port >= 0:
-            print(f"REST (OpenAI-compatible): http://{args.host}:{args.http_port}/v1, metrics at /metrics", flush=True)
+            url = f"{'https' if edge else 'http'}://{args.host}:{args.http_port}"
+            print(f"REST (OpenAI-compatible): {url}/v1, metrics at /metrics", flush=True)
         while not stopping:
             children.tend()
             time.sleep(0.2)
@@ -160,11 +179,14 @@ def _model_service(args: argparse.Namespace, role: str, model: Path, port: int) 
     return cmd + (["--threads", str(threads)] if threads else [])
 
 
-def _wait_ready(addresses: list[tuple[str, str]], children: Supervisor, tls_dir: Path | None) -> None:
-    """Every child (address, role) serves; one that exits before (a bad flag, a missing model) stops `specd up`."""
+def _wait_ready(addresses: list[tuple[str, str]], children: Supervisor, tls_dir: Path | None,
+                edge: EdgeTrust | None) -> None:
+    """Every child (address, role) serves; one that exits before (a bad flag, a missing model) stops `specd up`.
+    `edge`: how to verify the coordinator's edge with TLS."""
     deadline = time.monotonic() + READY_TIMEOUT_S
     for address, role in addresses:
-        while not serving(address, tls_dir=tls_dir if role != "coordinator" else None, role=role):
+        mine = {"edge": edge} if role == "coordinator" else {"tls_dir": tls_dir, "role": role}
+        while not serving(address, **mine):
             if exited := children.exited():
                 name, code = next(iter(exited.items()))
                 raise SystemExit(f"{name} exited before serving ({describe(code)})")
@@ -173,18 +195,30 @@ def _wait_ready(addresses: list[tuple[str, str]], children: Supervisor, tls_dir:
             time.sleep(0.5)
 
 
-def serving(address: str, timeout_s: float = 1.0, tls_dir: Path | None = None, role: str | None = None) -> bool:
-    """The stock gRPC health service answers SERVING (the whole server, service ""); `tls_dir`: a
-    model service of `role` on mutual TLS, asked with the coordinator's certificate."""
-    with _channel(address, tls_dir, role) as channel:
+def serving(address: str, timeout_s: float = 1.0, tls_dir: Path | None = None, role: str | None = None,
+            edge: EdgeTrust | None = None) -> bool:
+    """The service at `address` answers SERVING (`not_serving`)."""
+    return not_serving(address, timeout_s, tls_dir, role, edge) is None
+
+
+def not_serving(address: str, timeout_s: float = 1.0, tls_dir: Path | None = None, role: str | None = None,
+                edge: EdgeTrust | None = None) -> str | None:
+    """None when the stock gRPC health service answers SERVING (the whole server, service ""), else
+    why not (its status, or the call's error: a refused connection, a certificate that did not
+    verify). `tls_dir`: a model service of `role` on mutual TLS, asked with the coordinator's
+    certificate; `edge`: a coordinator's edge with TLS, verified so."""
+    with _channel(address, tls_dir, role, edge) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
-        except grpc.RpcError:
-            return False
-    return reply.status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.RpcError as error:
+            return f"{error.code().name}: {error.details()}"
+    serving = reply.status == health_pb2.HealthCheckResponse.SERVING
+    return None if serving else health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
 
-def _channel(address: str, tls_dir: Path | None, role: str | None) -> grpc.Channel:
+def _channel(address: str, tls_dir: Path | None, role: str | None, edge: EdgeTrust | None) -> grpc.Channel:
+    if edge is not None:
+        return edge.channel(address)
     if tls_dir is None:
         return grpc.insecure_channel(address)
     from services.common.tls import CALLER, TlsFiles, channel_options

@@ -12,6 +12,7 @@ Over 350 lines: one test per property of the deployment files, all offline."""
 from __future__ import annotations
 
 import importlib.metadata
+import ipaddress
 import json
 import os
 import re
@@ -27,11 +28,14 @@ from pathlib import Path, PurePosixPath
 import pytest
 import redis
 import yaml
+from cryptography import x509
+from cryptography.x509.verification import PolicyBuilder, Store
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 from services.common import certs, discovery, secrets_init
 from services.common.redis_server import answers_ping, free_port
+from services.common.tls import EdgeTls
 
 pytestmark = pytest.mark.slow  # checkov, docker-compose, kubectl and a TLS redis-server, which scripts/test installs
 
@@ -635,7 +639,7 @@ def test_compose_mounts_each_service_its_own_secrets_only(tmp_path, variant):
     assert "secrets/" in (ROOT / ".gitignore").read_text().splitlines()
     made = tmp_path / "secrets"
     secrets_init.init(made)
-    own = {"coordinator": {"./secrets/coordinator", "./secrets/tls/coordinator"},
+    own = {"coordinator": {"./secrets/coordinator", "./secrets/tls/coordinator", "./secrets/tls/edge"},
            "redis": {"./secrets/redis", "./secrets/tls/redis"},
            "draft": {"./secrets/tls/draft"}, "target": {"./secrets/tls/target"}}
     for name, service in services.items():
@@ -657,6 +661,16 @@ def test_compose_mounts_each_service_its_own_secrets_only(tmp_path, variant):
     assert file_of(coordinator, env["SPECD_REDIS_PASSWORD_FILE"]) == made / "coordinator" / "redis-password"
     assert file_of(coordinator, env["SPECD_TLS_DIR"] + "/coordinator-key.pem").is_file()
     assert file_of(coordinator, re.search(r"ssl_ca_certs=(\S+)", env["SPECD_REDIS_URL"]).group(1)).is_file()
+    # Its edges serve TLS with the edge certificate keys init made (no plaintext: SPECD_INSECURE is gone),
+    # which its healthcheck verifies, as clients on this host do, against the CA mounted beside it.
+    assert "SPECD_INSECURE" not in env
+    edge = EdgeTls(file_of(coordinator, env["SPECD_EDGE_TLS_CERT"]), file_of(coordinator, env["SPECD_EDGE_TLS_KEY"]))
+    assert edge.cert == made / "tls" / "edge" / "edge.pem" and edge.check()
+    probe = coordinator["healthcheck"]["test"]
+    assert probe[:3] == ["CMD", "specd", "health"] and probe[3].startswith("127.0.0.1:")
+    ca = x509.load_pem_x509_certificates(file_of(coordinator, probe[probe.index("--edge-ca") + 1]).read_bytes())
+    verifier = PolicyBuilder().store(Store(ca)).build_server_verifier(x509.IPAddress(ipaddress.ip_address("127.0.0.1")))
+    verifier.verify(x509.load_pem_x509_certificate(edge.cert.read_bytes()), [])
     for role in ("draft", "target"):
         service = services[role]
         assert file_of(service, service["environment"]["SPECD_TLS_DIR"] + f"/{role}-key.pem").is_file()

@@ -6,7 +6,8 @@ that reads them (each container mounts its own directory and sees nothing else):
     redis/password               the same password, for Redis's own health check
     redis/auth.conf              the same password as a redis.conf line (`requirepass`): Redis reads
                                  it from this file, never from its command line
-    tls/<role>/                  the services' TLS certificates (`specd certs`), each role's own
+    tls/<role>/                  the services' TLS certificates (`specd certs`), each role's own;
+                                 tls/edge/ the coordinator's client edge's (clients trust its ca.pem)
 
 Every key file is 0600 in a 0700 directory. Existing files are left as they are, so running it on
 every start (compose's `keys` service does) changes nothing after the first time; a directory made
@@ -46,7 +47,8 @@ def init(directory: Path, owner: int | None = None) -> dict[str, Path]:
     for name, content in ((REDIS_OWN_PASSWORD, password + "\n"), (REDIS_AUTH_CONF, redis_auth_conf(password))):
         if _create(redis / name, content):
             made[f"{REDIS}/{name}"] = redis / name
-    if not (directory / TLS / CALLER / CA_FILE).exists():
+    # A set from before the edge's certificate (tls/edge/) is replaced as a whole: its CA's key is gone.
+    if not all((directory / TLS / role / CA_FILE).exists() for role in (CALLER, certs.EDGE)):
         certs.make(directory / TLS, owner=owner, per_role=True)
         made[TLS] = directory / TLS
     if owner is not None:

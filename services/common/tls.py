@@ -234,6 +234,43 @@ class EdgeTls:
                 continue
             log.info("TLS: the edge certificate %s reloaded for new REST connections", self.cert)
 
+    def trusted_as_itself(self) -> "EdgeTrust":
+        """Trust in this certificate alone, verified under a name it carries: how the process that
+        started the coordinator (`specd up`) asks it whether it serves, whatever address it binds and
+        whoever signed it (gRPC accepts a trusted certificate that is not self-signed as a chain's end)."""
+        chain, _ = self._load()
+        cert = x509.load_pem_x509_certificates(chain)[0]
+        return EdgeTrust(cert.public_bytes(serialization.Encoding.PEM), _a_name_of(cert))
+
+
+def _a_name_of(cert: x509.Certificate) -> str | None:
+    """A host name `cert` is valid for (a wildcard's with a label in place of `*`); None: it names none."""
+    try:
+        alt = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return None
+    names = [*alt.get_values_for_type(x509.DNSName), *map(str, alt.get_values_for_type(x509.IPAddress))]
+    return names[0].replace("*", "specd", 1) if names else None
+
+
+@dataclass(frozen=True)
+class EdgeTrust:
+    """What a client of a coordinator's edge with TLS trusts: `roots` (PEM: the CA that signed the
+    edge's certificate, or that certificate itself) and, when set, the name to verify instead of the
+    address's host."""
+
+    roots: bytes
+    name: str | None = None
+
+    @classmethod
+    def from_ca(cls, path: Path) -> "EdgeTrust":
+        """The CA in `path` (`specd certs`' ca.pem, an ingress's or a private CA's), checked."""
+        return cls(_checked_ca(_read(path, "the CA that signed the edge's certificate (PEM)"), path))
+
+    def channel(self, address: str) -> grpc.Channel:
+        options = [("grpc.ssl_target_name_override", self.name)] if self.name else []
+        return grpc.secure_channel(address, grpc.ssl_channel_credentials(self.roots), options=options)
+
 
 def channel_options(peer_role: str) -> list[tuple[str, Any]]:
     """Verify the peer as `specd-<peer_role>` whatever address it was reached at."""
