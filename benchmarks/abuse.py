@@ -7,11 +7,16 @@ quotas: each key 2 requests in flight). The abusers share one key and send, over
 - streams whose reader stops after the first event and holds the connection,
 - bursts of 32 requests at once, over the key's quota.
 
+The deployment yields long requests' rounds to short ones (`--background-after-tokens`,
+specd/priority.py) and keeps each key to its request rate (`--key-requests-per-minute`, checked
+before a body is read). The phases alternate (alone, beside, alone, beside, ...) so that a host
+whose speed drifts weighs on both alike; each phase kind's figures pool its runs.
+
 Reported: the well-behaved clients' TTFT p99 and tokens a second in both phases and their ratio
 (goal: within 1.25x), every status each kind of request got (goal: no 5xx anywhere; every abusive
 request a 4xx/429, or bounded: it ends on its own, within the request time limit).
 
-    python -m benchmarks.abuse --seconds 90         # benchmarks/results/abuse.json
+    python -m benchmarks.abuse --seconds 30 --rounds 3     # benchmarks/results/abuse.json
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import argparse
 import collections
 import json
 import multiprocessing
+import os
 import secrets
 import statistics
 import subprocess
@@ -33,12 +39,14 @@ import httpx
 
 from benchmarks.common import TINY_UP_ENV, machine, specd_up_logged, write
 from services.common.redis_server import free_port
+from services.coordinator.quotas import QuotaLimits
 from services.coordinator.requests import Limits
 from tests.tiny import build_tiny_pair
 
 GOOD = 4
 CONTEXT = 8192
 MAX_IN_FLIGHT = 2  # per key
+BACKGROUND_AFTER = 256  # tokens: from here a request's rounds yield to shorter requests'
 STALL_S = 10.0  # --stream-stall-s: a stalled reader's stream ends this long after its last write
 GOOD_TOKENS = 48
 LONG_TOKENS = 4096
@@ -54,6 +62,19 @@ class Tally:
         self.ttft: list[float] = []
         self.tokens = 0
         self.longest_s: dict[str, float] = collections.defaultdict(float)
+        self.elapsed_s = 0.0  # the phases' length, summed
+
+    def summary(self) -> dict:
+        ttft = sorted(self.ttft)
+        return {
+            "requests": len(ttft),
+            "ttft_p50_s": round(statistics.median(ttft), 4),
+            "ttft_p99_s": round(ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))], 4),
+            "tokens_per_s": round(self.tokens / self.elapsed_s, 1),
+            "statuses": {kind: dict(codes) for kind, codes in self.statuses.items()},
+            "longest_s": {kind: round(s, 2) for kind, s in self.longest_s.items()},
+            "request_timeout_s": Limits.request_timeout_s,
+        }
 
     def status(self, kind: str, code: int | str, took_s: float = 0.0) -> None:
         with self.lock:
@@ -63,19 +84,20 @@ class Tally:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.abuse", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seconds", type=float, default=90.0, help="length of each phase")
+    parser.add_argument("--seconds", type=float, default=30.0, help="length of each phase")
+    parser.add_argument("--rounds", type=int, default=3, help="pairs of phases (alone, beside abusers)")
     parser.add_argument("--name", default="abuse")
     parser.add_argument("--abusers", default="big_chat,long_with_stops,stalled_reader,burst",
                         help="which abusers run beside the clients (all by default)")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="specd-abuse-") as tmp:
-        result = run(args.seconds, Path(tmp), tuple(args.abusers.split(",")))
+        result = run(args.seconds, args.rounds, Path(tmp), tuple(args.abusers.split(",")))
     print(f"wrote {write(args.name, result)}")
     print(json.dumps({k: v for k, v in result.items() if k != "machine"}, indent=2))
     return 0 if result["goals_met"] else 1
 
 
-def run(seconds: float, tmp: Path, abusers: tuple[str, ...]) -> dict:
+def run(seconds: float, rounds: int, tmp: Path, abusers: tuple[str, ...]) -> dict:
     draft_dir, target_dir = build_tiny_pair(tmp / "pair", max_positions=CONTEXT)
     keys = {f"good-{i}": secrets.token_urlsafe(24) for i in range(GOOD)} | {"mallory": secrets.token_urlsafe(24)}
     keys_file = tmp / "api-keys"
@@ -86,8 +108,11 @@ def run(seconds: float, tmp: Path, abusers: tuple[str, ...]) -> dict:
     try:
         base = f"http://127.0.0.1:{http_port}"
         model = target_dir.name
-        alone = _phase(base, model, keys, seconds, ())
-        beside = _phase(base, model, keys, seconds, abusers)
+        alone, beside = Tally(), Tally()
+        for _ in range(rounds):
+            _phase(base, model, keys, seconds, (), alone)
+            _phase(base, model, keys, seconds, abusers, beside)
+        alone, beside = alone.summary(), beside.summary()
     finally:
         up.terminate()
         up.wait(timeout=60)
@@ -99,10 +124,11 @@ def run(seconds: float, tmp: Path, abusers: tuple[str, ...]) -> dict:
     bounded = all(s <= beside["request_timeout_s"] for kind, s in beside["longest_s"].items() if kind != "good")
     return {
         "machine": machine(),
-        "config": {"seconds_per_phase": seconds, "good_clients": GOOD, "good_max_tokens": GOOD_TOKENS,
+        "config": {"seconds_per_phase": seconds, "rounds": rounds, "good_clients": GOOD, "good_max_tokens": GOOD_TOKENS,
                    "deployment": "specd up, tiny pair float64, context 8192, API keys", "key_max_in_flight": MAX_IN_FLIGHT,
+                   "key_requests_per_minute": QuotaLimits.requests_per_minute, "background_after_tokens": BACKGROUND_AFTER,
                    "stream_stall_s": STALL_S, "abusers": list(abusers),
-                   "abusers_process": "their own, beside the measuring one (same host, 2 cores shared by all)"},
+                   "abusers_process": "their own, beside the measuring one (same host, 2 cores shared by all), at nice 19"},
         "alone": alone,
         "beside_abusers": beside,
         "ttft_p99_ratio": round(ttft_ratio, 3),
@@ -119,14 +145,16 @@ def _specd_up(draft_dir: Path, target_dir: Path, keys_file: Path, http_port: int
             "--target-quantize", "none", "--api-keys-file", str(keys_file), "--http-port", str(http_port),
             *[arg for role, port in ports.items() for arg in (f"--{role}-port", str(port))],
             "--draft-metrics-port", "0", "--target-metrics-port", "0", "--audit-rate", "0"]
-    quotas = {"SPECD_KEY_MAX_IN_FLIGHT": str(MAX_IN_FLIGHT), "SPECD_STREAM_STALL_S": str(STALL_S)}
+    quotas = {"SPECD_KEY_MAX_IN_FLIGHT": str(MAX_IN_FLIGHT), "SPECD_STREAM_STALL_S": str(STALL_S),
+              "SPECD_BACKGROUND_AFTER_TOKENS": str(BACKGROUND_AFTER)}
     return specd_up_logged(argv, log, TINY_UP_ENV | quotas)
 
 
-def _phase(base: str, model: str, keys: dict[str, str], seconds: float, abusers: tuple[str, ...]) -> dict:
+def _phase(base: str, model: str, keys: dict[str, str], seconds: float, abusers: tuple[str, ...],
+           tally: Tally) -> None:
     """The well-behaved clients' threads here; the abusers in a process of their own, so that their
     work in this process (building and sending mebibyte bodies) does not slow the clients measured."""
-    tally, stop = Tally(), threading.Event()
+    stop = threading.Event()
     context = multiprocessing.get_context("fork")  # before any thread of this phase starts
     answers = context.Queue()
     abusing = context.Process(target=_abuse, args=(base, model, keys["mallory"], abusers, seconds, answers))
@@ -138,28 +166,22 @@ def _phase(base: str, model: str, keys: dict[str, str], seconds: float, abusers:
         thread.start()
     time.sleep(seconds)
     stop.set()
-    elapsed = time.monotonic() - start
+    tally.elapsed_s += time.monotonic() - start
     for thread in threads:
         thread.join(timeout=120)
     statuses, longest = answers.get(timeout=180)
     abusing.join(timeout=60)
     for kind, codes in statuses.items():
         tally.statuses[kind].update(codes)
-    tally.longest_s.update(longest)
-    ttft = sorted(tally.ttft)
-    return {
-        "requests": len(ttft),
-        "ttft_p50_s": round(statistics.median(ttft), 4),
-        "ttft_p99_s": round(ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))], 4),
-        "tokens_per_s": round(tally.tokens / elapsed, 1),
-        "statuses": {kind: dict(codes) for kind, codes in tally.statuses.items()},
-        "longest_s": {kind: round(s, 2) for kind, s in tally.longest_s.items()},
-        "request_timeout_s": Limits.request_timeout_s,
-    }
+    for kind, s in longest.items():
+        tally.longest_s[kind] = max(tally.longest_s[kind], s)
 
 
 def _abuse(base: str, model: str, key: str, kinds: tuple[str, ...], seconds: float, answers) -> None:
-    """The abusers of `kinds` for `seconds` (in their own process); their tally goes to `answers`."""
+    """The abusers of `kinds` for `seconds` (in their own process); their tally goes to `answers`.
+    At the lowest CPU priority: an attacker's client runs on a machine of its own, and here it
+    shares the server's two cores; niced, it takes what the server leaves, not the server's share."""
+    os.nice(19)
     tally, stop = Tally(), threading.Event()
     threads = [threading.Thread(target=ABUSERS[kind], args=(base, model, key, tally, stop)) for kind in kinds]
     for thread in threads:

@@ -291,23 +291,27 @@ def chaos(results: Path, name: str = "chaos") -> str:
 
 def abuse(results: Path) -> str:
     """The well-behaved clients alone and beside each abusers' run (`python -m benchmarks.abuse`)."""
-    runs = [load(results, "abuse"), load(results, "abuse_big_chat")]
+    names = ("abuse", "abuse_repeat", "abuse_big_chat")
+    runs = [load(results, name) for name in names]
     head = ["abusers", "TTFT p99 alone / beside (ms)", "tok/s alone / beside", "ratios (TTFT, tok/s; goal ≤ 1.25)",
             "5xx", "abusive requests: statuses (longest s)"]
     body = []
-    for run in runs:
+    for name, run in zip(names, runs):
         alone, beside = run["alone"], run["beside_abusers"]
         answered = "; ".join(f"{kind} {', '.join(f'{n}×{code}' for code, n in codes.items())} "
                              f"({beside['longest_s'][kind]:g})" for kind, codes in beside["statuses"].items()
                              if kind != "good")
-        body.append([", ".join(run["config"]["abusers"]),
+        body.append([", ".join(run["config"]["abusers"]) + (" (again)" if name == "abuse_repeat" else ""),
                      f"{alone['ttft_p99_s'] * 1e3:.0f} / {beside['ttft_p99_s'] * 1e3:.0f}",
                      f"{alone['tokens_per_s']:.0f} / {beside['tokens_per_s']:.0f}",
                      f"{run['ttft_p99_ratio']:.2f}, {run['tokens_per_s_ratio']:.2f}", str(run["server_errors"]), answered])
     config = runs[0]["config"]
     return para(f"{config['deployment']}; {config['good_clients']} streaming clients of {config['good_max_tokens']} "
-                f"tokens, {config['seconds_per_phase']:.0f} s a phase; each key {config['key_max_in_flight']} in flight, "
-                f"stream stall {config['stream_stall_s']:g} s ({runs[0]['machine']['cpu']}):") + "\n" + table(head, body)
+                f"tokens; {config['rounds']} pairs of {config['seconds_per_phase']:.0f}-s phases, alone and beside the "
+                f"abusers in turn; each key {config['key_max_in_flight']} in flight and "
+                f"{config['key_requests_per_minute']} requests a minute, stream stall {config['stream_stall_s']:g} s, "
+                f"long requests background from {config['background_after_tokens']} tokens; the abusers' process at "
+                f"nice 19 ({runs[0]['machine']['cpu']}):") + "\n" + table(head, body)
 
 
 def _fallback_rows(kind: str, prompts: list[dict], overall: float) -> list[list[str]]:

@@ -35,6 +35,7 @@ from specd.contracts import (
 from specd import model_free
 from specd.model_free import NO_DRAFT, Draft, SuffixDrafter
 from specd.outage import DraftOutage
+from specd.priority import Priority, RoundGate
 from specd.policy import PolicyConfig, PolicyState, RoundObservation, hybrid, inherit, next_k, observe
 from specd.protocols import Drafter, SessionStore, Verifier
 from specd.session import Lease, ServiceCursor, SessionState, SessionStats, Turn
@@ -92,6 +93,7 @@ class Services:
     store: SessionStore
     outage: DraftOutage = field(default_factory=DraftOutage)
     model_free: SuffixDrafter | None = None  # drafts from the tokens at hand, in this process (None: off)
+    gate: RoundGate = field(default_factory=RoundGate)  # short requests' rounds first (off by default)
 
 
 @dataclass(frozen=True)
@@ -104,6 +106,7 @@ class _Turn:
     lease: Lease
     checker: StopChecker
     session_stats: SessionStats  # the session's counters before this request
+    priority: Priority  # short requests' rounds first (specd/priority.py)
     owner: str = ""  # the session's owner: the model-free drafter's store of recent outputs is per owner
 
 
@@ -141,43 +144,47 @@ async def generate(
     A new session records its `owner` and starts from the policy the deployment learned last.
     `request_id`: a retry of the session's latest turn with this id does not append its prompt
     again: it replies with what that turn committed and, if it had not finished, goes on with it."""
-    turn, progress, replayed = await _start_turn(request, session_id, services, decode, owner, request_id)
-    try:
-        if replayed:  # the same checker over the same tokens: the reply so far, as first sent
-            yield Chunk(*_apply_stop_rules(turn.checker, replayed))
-        async for result in _saved_rounds(turn, progress):
-            progress = result.progress
-            if on_round:
-                on_round(result.record)
-            if result.emitted:
-                yield Chunk(result.emitted, result.text)
-        if progress.stats.rounds and request.fixed_k is None:
-            await services.store.remember(progress.state.policy, turn.owner)
-        checker = turn.checker
-        if services.model_free:
-            services.model_free.finished(turn.owner, checker.token_ids)
-        yield Finished(checker.finish_reason, tuple(checker.token_ids), checker.text, progress.stats, progress.state)
-    finally:
-        if ephemeral:
-            await forget(session_id, services)
+    with services.gate.request() as priority:
+        turn, progress, replayed = await _start_turn(request, session_id, services, decode, priority, owner,
+                                                     request_id)
+        try:
+            if replayed:  # the same checker over the same tokens: the reply so far, as first sent
+                yield Chunk(*_apply_stop_rules(turn.checker, replayed))
+            async for result in _saved_rounds(turn, progress):
+                progress = result.progress
+                if on_round:
+                    on_round(result.record)
+                if result.emitted:
+                    yield Chunk(result.emitted, result.text)
+            if progress.stats.rounds and request.fixed_k is None:
+                await services.store.remember(progress.state.policy, turn.owner)
+            checker = turn.checker
+            if services.model_free:
+                services.model_free.finished(turn.owner, checker.token_ids)
+            yield Finished(checker.finish_reason, tuple(checker.token_ids), checker.text, progress.stats, progress.state)
+        finally:
+            if ephemeral:
+                await forget(session_id, services)
 
 
 async def one_round(request: GenerationRequest, session_id: str, services: Services, decode: Decode) -> RoundRecord:
     """One round of a request on a session, saved, and nothing after it (start-up calibration times
     rounds one at a time: a round run ahead would be one more pass in the middle of its timings)."""
-    turn, progress, _ = await _start_turn(request, session_id, services, decode)
-    result = await run_round(turn, progress)
-    await _save(turn, result)
-    return result.record
+    with services.gate.request() as priority:
+        turn, progress, _ = await _start_turn(request, session_id, services, decode, priority)
+        result = await run_round(turn, progress)
+        await _save(turn, result)
+        return result.record
 
 
 async def _start_turn(request: GenerationRequest, session_id: str, services: Services, decode: Decode,
-                      owner: str = "", request_id: str = "") -> tuple[_Turn, _Progress, tuple[int, ...]]:
+                      priority: Priority, owner: str = "", request_id: str = ""
+                      ) -> tuple[_Turn, _Progress, tuple[int, ...]]:
     """Take the session over and open the turn: what its rounds share, the progress before them,
     and what a retried turn had already generated."""
     lease, state = await services.store.begin(session_id, create=True, owner=owner)
     state, stored, replayed = await _open_turn(state, request, request_id, services.store)
-    turn = _Turn(request, session_id, services, lease, StopChecker(request.rules, decode), state.stats,
+    turn = _Turn(request, session_id, services, lease, StopChecker(request.rules, decode), state.stats, priority,
                  state.owner)
     return turn, _Progress(state, stored, SessionStats()), replayed
 
@@ -227,8 +234,15 @@ def _with_stats(result: RoundResult, stats: SessionStats) -> RoundResult:
 
 
 async def run_round(turn: _Turn, progress: _Progress) -> RoundResult:
-    """Draft, verify, commit, roll back, learn; the caller saves. The span ends before the round's
-    tokens are emitted: a span left current across a yield would leak into whatever the consumer does."""
+    """Draft, verify, commit, roll back, learn; the caller saves. A long request's round may first
+    wait for short ones' (specd/priority.py)."""
+    await turn.priority.before_round(len(turn.checker.token_ids))
+    return await _run_round(turn, progress)
+
+
+async def _run_round(turn: _Turn, progress: _Progress) -> RoundResult:
+    """The span ends before the round's tokens are emitted: a span left current across a yield
+    would leak into whatever the consumer does."""
     request, services, state = turn.request, turn.services, progress.state
     with tracer.start_as_current_span("speculation.round") as span:
         remaining = request.rules.max_tokens - len(turn.checker.token_ids)

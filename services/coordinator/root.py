@@ -18,6 +18,7 @@ from specd.protocols import Drafter, Verifier
 from specd.model_free import SuffixDrafter
 from specd.outage import DRAFT_TIMEOUT_S, DraftOutage
 from specd.policy import PolicyConfig
+from specd.priority import Background, RoundGate
 from services.common import discovery, settings
 from services.common.client import NetworkDelay
 from services.common.tls import CALLER, EdgeTls, TlsFiles, refuse_plaintext
@@ -132,6 +133,11 @@ def build_parser() -> argparse.ArgumentParser:
     settings.add(parser, "--key-requests-per-minute", type=int, default=QuotaLimits.requests_per_minute,
                  help=f"requests one API key may start per minute, in bursts of up to {RATE_BURST_S} s worth (0: no limit); "
                       "checked before a request's body is read")
+    settings.add(parser, "--background-after-tokens", type=int, default=Background.after_tokens,
+                 help="a request that has generated this many tokens yields to shorter ones: each of its rounds "
+                      "first waits, up to --background-wait-s, while short requests' rounds run (0: off)")
+    settings.add(parser, "--background-wait-s", type=float, default=Background.max_wait_s,
+                 help="the longest a background round waits for short requests' rounds")
     settings.add(parser, "--served-model-name",
                  help="the model id REST clients name (default: the model's file name less .gguf, or its directory's)")
     settings.add(parser, "--max-body-bytes", type=int, default=MAX_BODY_BYTES,
@@ -197,7 +203,8 @@ def build(args: argparse.Namespace, drafter: Drafter | None, verifier: Verifier)
     password = args.redis_password_file.read_text().strip() if args.redis_password_file else None
     store = RedisSessionStore(args.redis_url, ttl_s=args.session_ttl_s, password=password)
     model_free = SuffixDrafter() if args.model_free == "on" else None
-    services = Services(drafter, verifier, store, DraftOutage(args.draft_timeout_s), model_free)
+    gate = RoundGate(Background(args.background_after_tokens, args.background_wait_s))
+    services = Services(drafter, verifier, store, DraftOutage(args.draft_timeout_s), model_free, gate)
     quota_limits = QuotaLimits(args.key_max_in_flight, args.key_max_sessions, args.key_tokens_per_minute,
                                args.key_requests_per_minute)
     quotas = Quotas(store.client, quota_limits, args.session_ttl_s)
