@@ -276,3 +276,34 @@ def test_a_coordinator_refuses_bounds_its_model_services_or_itself_cannot_keep(f
     with pytest.raises(SystemExit):
         root.parse([*base, *flags])
     assert flags[-2] in capsys.readouterr().err
+
+
+def test_a_grpc_stream_whose_client_stops_reading_ends_and_gives_its_slot_back(redis_url, tmp_path_factory):
+    """gRPC's flow control holds a write to a client that reads nothing; past the stall limit the
+    stream ends (DEADLINE_EXCEEDED) and its generation closes: the key's one slot is free at once."""
+    import grpc
+
+    from services.coordinator.requests import Limits
+    from services.protogen.specd.v1 import coordinator_pb2
+    from tests.tiny import build_tiny_pair
+
+    pair = build_tiny_pair(tmp_path_factory.mktemp("long_pair"), max_positions=8192)
+    c = Cluster(*pair, redis_url, keys=keys(tmp_path_factory), quotas=QuotaLimits(in_flight=1),
+                limits=Limits(stream_stall_s=0.5))
+    small_window = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)]
+    metadata = [("authorization", f"Bearer {ALICE}")]
+    long = coordinator_pb2.GenerateRequest(text="Once", max_tokens=4096, ignore_eos=True, speculation=False)
+    try:
+        with grpc.insecure_channel(c.address("coordinator"), options=small_window) as channel:
+            stream = c.coordinator(channel).Generate(long, metadata=metadata, timeout=120)
+            next(stream)  # admitted; then it reads nothing while the server's writes fill the window
+            time.sleep(5)
+            with pytest.raises(grpc.RpcError) as ended:
+                for _ in stream:  # what was buffered, then the end
+                    pass
+            assert ended.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "read nothing" in ended.value.details()
+        with http(c) as client:  # the slot came back when the stream ended
+            assert client.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 2}
+                               ).status_code == 200
+    finally:
+        c.close()

@@ -278,8 +278,9 @@ def test_replicas_report_their_load_and_a_draining_one_refuses_new_calls(tiny_pa
     cluster = Cluster(*tiny_pair, redis_url)
     try:
         with grpc.insecure_channel(cluster.address("coordinator")) as channel:
+            # a fixed K on the draft model: both services hold the session, whatever the deployment's learnt policy
             request = coordinator_pb2.GenerateRequest(text="Load me.", max_tokens=8, session_id="loaded",
-                                                      drafter="model")  # both services hold the session, whatever the timings
+                                                      drafter="model", num_draft_tokens=2)
             cluster.coordinator(channel).Complete(request, timeout=60)
         with grpc.insecure_channel(cluster.address("target")) as channel:
             target = target_pb2_grpc.TargetServiceStub(channel)

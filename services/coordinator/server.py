@@ -33,13 +33,24 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     def __init__(self, frontend: Frontend, keys: ApiKeys = ApiKeys.open()):
         self.frontend, self.keys = frontend, keys
 
-    async def Generate(
-        self, request: coordinator_pb2.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[coordinator_pb2.GenerateResponse]:
+    async def Generate(self, request: coordinator_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
+        """Each write may wait `stream_stall_s` on a client that does not read (gRPC's flow control
+        holds it); past that the stream ends and its generation closes, as the REST edge's."""
         owner = await self._owner(context)
         generation = await self._validated(request, owner, context)
-        async for event in self._events(generation, request, owner, context):
-            yield convert.stream_response(event, len(generation.prompt))
+        stall_s = self.frontend.limits.stream_stall_s
+        async with contextlib.aclosing(self._events(generation, request, owner, context)) as events:
+            async for event in events:
+                try:
+                    async with asyncio.timeout(stall_s):
+                        await context.write(convert.stream_response(event, len(generation.prompt)))
+                except TimeoutError:
+                    break
+            else:
+                return
+        # the generation is closed by now: its quota slot and caches are back before the client hears
+        await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"the client read nothing for {stall_s:g} s: "
+                                                               "the stream ended")
 
     async def Complete(
         self, request: coordinator_pb2.GenerateRequest, context: grpc.aio.ServicerContext
