@@ -36,7 +36,7 @@ from specd import model_free
 from specd.model_free import NO_DRAFT, Draft, SuffixDrafter
 from specd.outage import DraftOutage
 from specd.priority import Priority, RoundGate
-from specd.policy import PolicyConfig, PolicyState, RoundObservation, hybrid, inherit, next_k, observe
+from specd.policy import PLAIN, PolicyConfig, PolicyState, RoundObservation, hybrid, inherit, next_k, observe
 from specd.protocols import Drafter, SessionStore, Verifier
 from specd.session import Lease, ServiceCursor, SessionState, SessionStats, Turn
 from specd.stopping import Decode, StopChecker, StopRules
@@ -402,7 +402,7 @@ def _drafter(request: GenerationRequest, state: SessionState, k: int, free: Draf
         return (hybrid.FREE, len(free.tokens)) if free.tokens else (hybrid.NONE, 0)
     lag = len(state.tokens) - state.draft.position  # what the draft model would catch up on first
     return hybrid.choose(request.drafter, policy.estimates, request.policy, k if model else 0, free.scores, lag,
-                         remaining)
+                         remaining, probe=policy.mode == PLAIN)
 
 
 def _model_drafts(turn: _Turn, progress: _Progress) -> bool:

@@ -95,6 +95,35 @@ def test_drafts_the_target_keeps_rejecting_lower_the_calibration_until_none_is_s
     assert state.estimates.free_calibration < 0.3 and rounds >= 2  # not one unlucky round
 
 
+def test_a_probe_of_the_draft_model_is_not_priced_by_the_acceptance_it_is_to_measure():
+    """α learnt on other text (prose before this code) says a new session's catch-up would not pay;
+    a probe is how the policy finds out whether it is still so, and one round is its whole cost."""
+    stale = Estimates(**{**MEASURED.__dict__, "alpha": 0.2})
+    assert hybrid.choose(hybrid.AUTO, stale, CONFIG, 2, [], lag=40, remaining=100) == (hybrid.NONE, 0)
+    assert hybrid.choose(hybrid.AUTO, stale, CONFIG, 2, [], lag=40, remaining=100, probe=True) == (hybrid.MODEL, 2)
+    assert hybrid.choose(hybrid.AUTO, stale, CONFIG, 2, [0.9], lag=40, remaining=100, probe=True) == (hybrid.MODEL, 2)
+
+
+def test_a_key_whose_last_request_fell_back_probes_and_speculates_on_text_its_draft_knows():
+    """The key's prior: plain mode, α low (its last text). This request's draft agrees with the target:
+    the probe after the prompt runs, and the request speculates."""
+    cheap_draft = {**MEASURED.__dict__, "alpha": 0.2, "draft_step_s": 0.005}  # α 0.2: the catch-up "would not pay"
+    prose = PolicyState(mode="plain", k=2, estimates=Estimates(**cheap_draft), plain_rounds_until_probe=64,
+                        probe_interval=64)
+    store = FakeStore(learned_by={"alice": prose})
+    drafter, verifier = FakeDrafter(target_rule), FakeVerifier(target_rule)
+    services = Services(drafter, verifier, store)
+    records: list[RoundRecord] = []
+
+    async def collect():
+        return [e async for e in generate(request(max_tokens=60), "s", services, lambda ids: "", True,
+                                          records.append, "alice")]
+
+    done = asyncio.run(collect())[-1]
+    assert list(done.token_ids) == target_alone(PROMPT, 60)
+    assert drafter.calls > 0 and len(records) < 40  # it probed, then drafted: far fewer rounds than tokens
+
+
 # -- the loop ----------------------------------------------------------------------------------------
 
 

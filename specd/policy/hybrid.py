@@ -43,13 +43,15 @@ def free_choice(est: Estimates, scores: Sequence[float]) -> tuple[int, float]:
 
 
 def choose(drafter: str, est: Estimates, config: PolicyConfig, k: int, scores: Sequence[float],
-           lag: int = 0, remaining: int = 1) -> tuple[str, int]:
+           lag: int = 0, remaining: int = 1, probe: bool = False) -> tuple[str, int]:
     """(the round's drafter, its draft length) from the request's `drafter`, the policy's K for the
     draft model (0: plain step or no draft model), a model-free draft's scores, and for `auto` the
-    committed tokens the draft model lacks (`lag`) and the tokens the request may still make."""
+    committed tokens the draft model lacks (`lag`) and the tokens the request may still make.
+    A `probe` (plain mode's test of the draft model) goes to the draft model: it is there to measure
+    α on this text, and pricing it by the α it is to measure would keep it from ever running."""
     if drafter == NONE:
         return NONE, 0
-    if drafter == MODEL:
+    if drafter == MODEL or (probe and drafter == AUTO and k > 0):
         return (MODEL, k) if k > 0 else (NONE, 0)
     m, free_rate = free_choice(est, scores)
     if drafter == FREE:
