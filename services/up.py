@@ -60,9 +60,7 @@ def edge_tls_of(args: argparse.Namespace) -> EdgeTls | None:
     before any child starts), or None: plaintext, on loopback unless --insecure."""
     from services.common.tls import EdgeTls
 
-    if (args.edge_tls_cert is None) != (args.edge_tls_key is None):
-        raise ValueError("--edge-tls-cert and --edge-tls-key go together: the edge's certificate chain and its key")
-    return EdgeTls(args.edge_tls_cert, args.edge_tls_key).check() if args.edge_tls_cert else None
+    return EdgeTls.from_flags(args.edge_tls_cert, args.edge_tls_key)
 
 
 def local_redis() -> LocalRedis:

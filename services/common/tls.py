@@ -203,6 +203,17 @@ class EdgeTls:
         self._load()
         return self
 
+    @classmethod
+    def from_flags(cls, cert: Path | None, key: Path | None) -> "EdgeTls | None":
+        """--edge-tls-cert and --edge-tls-key, checked (ValueError: a lone one, a missing file, a key
+        that is not the certificate's), or None: neither given, plaintext."""
+        if (cert is None) != (key is None):
+            raise ValueError("--edge-tls-cert and --edge-tls-key go together: the edge's certificate chain and its key")
+        try:
+            return cls(cert, key).check() if cert is not None else None
+        except ValueError as error:
+            raise ValueError(f"--edge-tls-cert / --edge-tls-key: {error}") from error
+
     def _server_configuration(self) -> grpc.ServerCertificateConfiguration:
         chain, key = self._load()
         return grpc.ssl_server_certificate_configuration([(key, chain)])

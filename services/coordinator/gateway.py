@@ -193,7 +193,7 @@ async def _until_disconnected(request: Request, work: Awaitable[T]) -> T | None:
     """Run `work` unless the client leaves first; then cancel it (freeing a one-off session's
     caches) and return None."""
     task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_disconnected(request))
+    watcher = asyncio.ensure_future(_disconnected(request.receive))
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -205,11 +205,7 @@ async def _until_disconnected(request: Request, work: Awaitable[T]) -> T | None:
     return None if task.cancelled() else task.result()
 
 
-async def _disconnected(request: Request) -> None:
-    await _disconnected_from(request.receive)
-
-
-async def _disconnected_from(receive) -> None:
+async def _disconnected(receive) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
 
@@ -255,7 +251,7 @@ class BoundedStream(StreamingResponse):
         receive says "disconnected" (uvicorn does once the last byte is out): the generation's clean-up
         would be cut short. One plain cancel, and only while the client can still be written to."""
         streaming = asyncio.ensure_future(self.stream_response(send))
-        leaving = asyncio.ensure_future(_disconnected_from(receive))
+        leaving = asyncio.ensure_future(_disconnected(receive))
         try:
             await asyncio.wait({streaming, leaving}, return_when=asyncio.FIRST_COMPLETED)
         finally:

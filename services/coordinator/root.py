@@ -167,14 +167,10 @@ def _checked(parser: argparse.ArgumentParser, args: argparse.Namespace, edges: b
         args.tls = TlsFiles(args.tls_dir, CALLER).check() if args.tls_dir else None
     except ValueError as error:
         parser.error(f"--tls-dir: {error}")
-    args.edge_tls = None
-    if (args.edge_tls_cert is None) != (args.edge_tls_key is None):
-        parser.error("--edge-tls-cert and --edge-tls-key go together: the edge's certificate chain and its key")
-    if args.edge_tls_cert is not None:
-        try:
-            args.edge_tls = EdgeTls(args.edge_tls_cert, args.edge_tls_key).check()
-        except ValueError as error:
-            parser.error(f"--edge-tls-cert / --edge-tls-key: {error}")
+    try:
+        args.edge_tls = EdgeTls.from_flags(args.edge_tls_cert, args.edge_tls_key)
+    except ValueError as error:
+        parser.error(str(error))
     if edges and not args.edge_tls and not args.insecure and (why := refuse_plaintext(
             args.host, "the coordinator's gRPC and REST edges", "--edge-tls-cert and --edge-tls-key")):
         parser.error(why)
