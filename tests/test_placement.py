@@ -94,3 +94,30 @@ def test_a_pool_passes_over_replicas_that_are_down_stopping_or_full_for_new_sess
 
 def stub_of(channel):
     return channel
+
+
+def test_a_call_the_replica_cancelled_while_stopping_goes_on_to_the_next():
+    """grpc-core cancels the calls it had not yet handed to a handler when a server stops
+    (grpc/grpc#41785): the client reads CANCELLED, not UNAVAILABLE, from a replica going away."""
+    import grpc
+
+    async def run():
+        pool = Replicas("target", [f"127.0.0.1:{p}" for p in (1, 2)], stub_of, retry_s=1.0)
+        first, second = placement.rank("s", pool.addresses)
+        tried = []
+
+        async def rpc(channel):
+            address = next(a for a, r in pool._replicas.items() if r.stub is channel)
+            tried.append(address)
+            if address == first:
+                raise grpc.aio.AioRpcError(grpc.StatusCode.CANCELLED, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                           details="Server Shutdown")
+            return ReplicaLoad("i2", 0, 64, 0, 8)
+
+        try:
+            return await pool.call("", "s", rpc), tried, first, second
+        finally:
+            await pool.close()
+
+    reply, tried, first, second = asyncio.run(run())
+    assert reply.instance_id == "i2" and tried == [first, second]

@@ -47,6 +47,9 @@ CHANNEL_OPTIONS = [
 DOWN_FOR_S = 2.0  # a replica that failed is tried last for this long (or until a poll reaches it)
 REFRESH_S = 1.0  # between re-resolving the pool and polling its replicas' load
 POLL_TIMEOUT_S = 1.0
+# A replica going away: UNAVAILABLE, or CANCELLED for the calls a stopping server had not yet
+# handed to a handler (grpc/grpc#41785); a call the client itself cancels raises CancelledError.
+GONE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
 CLOSE_GRACE_S = 30.0  # a replica that left the pool keeps its channel this long for calls in flight
 
 
@@ -107,7 +110,7 @@ class Replicas(Generic[S]):
                     log.warning("%s pool: %s", self.name, error)
 
     async def call(self, instance_id: str, session_id: str, rpc: Callable[[S], Awaitable[R]]) -> R:
-        """Run `rpc` on the session's replica; on UNAVAILABLE try the next in its order, then wait
+        """Run `rpc` on the session's replica; when it is GONE try the next in its order, then wait
         and retry until `retry_s` (or the client's deadline) has passed."""
         await self.start()
         deadline = time.monotonic() + timeout(self.retry_s)
@@ -117,7 +120,7 @@ class Replicas(Generic[S]):
                 try:
                     reply = await rpc(replica.stub)
                 except grpc.aio.AioRpcError as error:
-                    if error.code() != grpc.StatusCode.UNAVAILABLE:
+                    if error.code() not in GONE:
                         raise
                     replica.down_until, last_error = time.monotonic() + DOWN_FOR_S, error
                     continue
@@ -172,7 +175,7 @@ class Replicas(Generic[S]):
         try:
             load = load_from_proto(await replica.stub.GetLoad(LOAD_REQUEST, timeout=POLL_TIMEOUT_S))
         except grpc.aio.AioRpcError as error:
-            if error.code() == grpc.StatusCode.UNAVAILABLE:
+            if error.code() in GONE:
                 replica.down_until = max(replica.down_until, time.monotonic() + DOWN_FOR_S)
             return
         replica.load, replica.instance_id, replica.down_until = load, load.instance_id, 0.0
