@@ -104,6 +104,23 @@ def test_a_probe_of_the_draft_model_is_not_priced_by_the_acceptance_it_is_to_mea
     assert hybrid.choose(hybrid.AUTO, stale, CONFIG, 2, [0.9], lag=40, remaining=100, probe=True) == (hybrid.MODEL, 2)
 
 
+# A 2-core AVX-512 host's passes (ms by positions, measured with eight sessions at once) and its draft step.
+LOADED_PASS = {1: 47, 2: 49, 3: 57, 4: 55, 5: 61, 6: 69, 7: 77, 8: 85, 9: 105, 10: 112, 11: 104, 12: 101,
+               13: 104, 14: 117, 15: 131, 16: 138, 17: 155}
+
+
+def test_under_load_a_probe_is_priced_like_any_round_with_its_catch_up_paid_by_the_whole_batch():
+    """Eight sessions at once: the draft's catch-up over 60 tokens is a pass over every session's 60
+    (they all probe alike) and stalls all their target passes; no acceptance this draft has shown
+    repays that in a 100-token request, so the probe does not run. Alone, the same probe runs."""
+    table = tuple((rows - 1, ms / 1e3) for rows, ms in LOADED_PASS.items())
+    alone = Estimates(alpha=0.7, draft_step_s=0.017, verify_s=table, rtt_s=0.01, observations=50)
+    loaded = Estimates(**{**alone.__dict__, "batch": 8.0})
+    assert hybrid.choose(hybrid.AUTO, alone, CONFIG, 1, [], lag=60, remaining=100, probe=True) == (hybrid.MODEL, 1)
+    assert hybrid.choose(hybrid.AUTO, loaded, CONFIG, 1, [], lag=60, remaining=100, probe=True) == (hybrid.NONE, 0)
+    assert hybrid.catch_up_time(loaded, 60) > 7 * hybrid.catch_up_time(alone, 60)
+
+
 def test_a_key_whose_last_request_fell_back_probes_and_speculates_on_text_its_draft_knows():
     """The key's prior: plain mode, α low (its last text). This request's draft agrees with the target:
     the probe after the prompt runs, and the request speculates."""

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from specd.policy.base import PLAIN, Estimates, PolicyConfig, PolicyState, RoundObservation
-from specd.policy.cost import expected_tokens, grown, is_measured, round_time, verify_time
+from specd.policy.cost import batch_sessions, expected_tokens, grown, is_measured, round_time, verify_time
 from specd.policy.learning import learn_pass
 
 AUTO, MODEL, FREE, NONE = "auto", "model", "ngram", "none"
@@ -47,11 +47,12 @@ def choose(drafter: str, est: Estimates, config: PolicyConfig, k: int, scores: S
     """(the round's drafter, its draft length) from the request's `drafter`, the policy's K for the
     draft model (0: plain step or no draft model), a model-free draft's scores, and for `auto` the
     committed tokens the draft model lacks (`lag`) and the tokens the request may still make.
-    A `probe` (plain mode's test of the draft model) goes to the draft model: it is there to measure
-    α on this text, and pricing it by the α it is to measure would keep it from ever running."""
+    A `probe` (plain mode's test of the draft model) of a session alone goes to the draft model: it is
+    there to measure α on this text, and pricing it by the α it is to measure would keep it from ever
+    running. Under load it is priced like any round: its catch-up stalls every session of the pass."""
     if drafter == NONE:
         return NONE, 0
-    if drafter == MODEL or (probe and drafter == AUTO and k > 0):
+    if drafter == MODEL or (probe and drafter == AUTO and k > 0 and batch_sessions(est) == 1):
         return (MODEL, k) if k > 0 else (NONE, 0)
     m, free_rate = free_choice(est, scores)
     if drafter == FREE:
@@ -76,8 +77,9 @@ def model_rate(est: Estimates, k: int, lag: int, remaining: int) -> float:
 
 
 def catch_up_time(est: Estimates, lag: int) -> float:
-    """The draft's pass over `lag` tokens: its one-position step grown to `lag` positions."""
-    return grown(est, est.draft_step_s, 1, lag)
+    """The draft's pass over `lag` tokens, priced as the pass it joins (cost.verify_time's rule):
+    B sessions that each catch up as much, its one-position step grown to B·lag positions."""
+    return grown(est, est.draft_step_s, 1, batch_sessions(est) * lag)
 
 
 def learn_free(est: Estimates, obs: RoundObservation, scores: Sequence[float], config: PolicyConfig) -> Estimates:
