@@ -272,7 +272,7 @@ async def _run_round(turn: _Turn, progress: _Progress) -> RoundResult:
         observation = _observation(k, a, drafting, verifying)
         policy = state.policy
         if source == hybrid.FREE:
-            policy = hybrid.observe_free(policy, observation, free.scores, free.match, request.policy)
+            policy = hybrid.observe_free(policy, observation, free.scores, request.policy)
         elif request.fixed_k is None and not outage:  # an outage's rounds say nothing of the policy
             policy = observe(policy, observation, request.policy)
         resyncs = sum(call.resynced for call in (drafting, verifying) if call)
@@ -401,8 +401,8 @@ def _drafter(request: GenerationRequest, state: SessionState, k: int, free: Draf
         free = Draft(free.tokens[:k], free.scores[:k], free.match)
         return (hybrid.FREE, len(free.tokens)) if free.tokens else (hybrid.NONE, 0)
     lag = len(state.tokens) - state.draft.position  # what the draft model would catch up on first
-    return hybrid.choose(request.drafter, policy.estimates, request.policy, k if model else 0, free.scores,
-                         free.match, lag, remaining, probe=policy.mode == PLAIN)
+    return hybrid.choose(request.drafter, policy.estimates, request.policy, k if model else 0, free.scores, lag,
+                         remaining, probe=policy.mode == PLAIN)
 
 
 def _model_drafts(turn: _Turn, progress: _Progress) -> bool:

@@ -18,7 +18,6 @@ CONFIG = PolicyConfig()
 # measured: a plain step 30 ms, each extra verification row 4 ms, a draft step 15 ms, 2 ms a call
 MEASURED = Estimates(alpha=0.6, draft_step_s=0.015, verify_s=tuple((k, 0.03 + 0.004 * k) for k in range(9)),
                      rtt_s=0.002, observations=20)
-LONG = 16  # a model-free draft that continues a sixteen-token match: text being copied
 
 
 def repeating(prefix) -> int:
@@ -59,50 +58,50 @@ def test_the_draft_models_catch_up_is_priced_over_what_is_left_of_the_request():
     it for 400 more tokens at α = 0.9, not for 20; a model-free draft at hand then wins even when
     unsure. Caught up (the round's own tokens only), the choice is the one without a lag."""
     good = Estimates(**{**MEASURED.__dict__, "alpha": 0.9})
-    assert hybrid.choose(hybrid.AUTO, good, CONFIG, 4, [], LONG, lag=300, remaining=400) == (hybrid.MODEL, 4)
-    assert hybrid.choose(hybrid.AUTO, good, CONFIG, 4, [], LONG, lag=300, remaining=20) == (hybrid.NONE, 0)
-    assert hybrid.choose(hybrid.AUTO, good, CONFIG, 4, [0.2], LONG, lag=300, remaining=20) == (hybrid.FREE, 1)
-    assert hybrid.choose(hybrid.AUTO, good, CONFIG, 4, [0.2], LONG, lag=2, remaining=20) == (hybrid.MODEL, 4)
-    assert hybrid.choose(hybrid.MODEL, good, CONFIG, 4, [], LONG, lag=300, remaining=20) == (hybrid.MODEL, 4)  # asked for
+    assert hybrid.choose(hybrid.AUTO, good, CONFIG, 4, [], lag=300, remaining=400) == (hybrid.MODEL, 4)
+    assert hybrid.choose(hybrid.AUTO, good, CONFIG, 4, [], lag=300, remaining=20) == (hybrid.NONE, 0)
+    assert hybrid.choose(hybrid.AUTO, good, CONFIG, 4, [0.2], lag=300, remaining=20) == (hybrid.FREE, 1)
+    assert hybrid.choose(hybrid.AUTO, good, CONFIG, 4, [0.2], lag=2, remaining=20) == (hybrid.MODEL, 4)
+    assert hybrid.choose(hybrid.MODEL, good, CONFIG, 4, [], lag=300, remaining=20) == (hybrid.MODEL, 4)  # asked for
 
 
 def test_a_sure_model_free_draft_beats_the_draft_model_and_an_unsure_one_does_not():
-    assert hybrid.choose(hybrid.AUTO, MEASURED, CONFIG, 4, [1.0] * 8, LONG) == (hybrid.FREE, 8)
-    assert hybrid.choose(hybrid.AUTO, MEASURED, CONFIG, 4, [0.1], LONG) == (hybrid.MODEL, 4)
-    assert hybrid.choose(hybrid.AUTO, MEASURED, CONFIG, 0, [0.05], LONG) == (hybrid.NONE, 0)  # plain mode, a long shot
+    assert hybrid.choose(hybrid.AUTO, MEASURED, CONFIG, 4, [1.0] * 8) == (hybrid.FREE, 8)
+    assert hybrid.choose(hybrid.AUTO, MEASURED, CONFIG, 4, [0.1]) == (hybrid.MODEL, 4)
+    assert hybrid.choose(hybrid.AUTO, MEASURED, CONFIG, 0, [0.05]) == (hybrid.NONE, 0)  # plain mode, a long shot
 
 
 def test_the_best_prefix_of_a_model_free_draft_is_sent():
-    m, _ = hybrid.free_choice(MEASURED, [1.0, 0.9, 0.8, 0.05, 0.01], LONG)
+    m, _ = hybrid.free_choice(MEASURED, [1.0, 0.9, 0.8, 0.05, 0.01])
     assert m == 3  # the last two cost a verification row each and expect almost nothing
 
 
 def test_the_request_decides_who_may_draft():
-    assert hybrid.choose(hybrid.NONE, MEASURED, CONFIG, 4, [1.0] * 8, LONG) == (hybrid.NONE, 0)
-    assert hybrid.choose(hybrid.MODEL, MEASURED, CONFIG, 4, [1.0] * 8, LONG) == (hybrid.MODEL, 4)
-    assert hybrid.choose(hybrid.FREE, MEASURED, CONFIG, 4, [0.1], LONG) == (hybrid.NONE, 0)
-    assert hybrid.choose(hybrid.FREE, MEASURED, CONFIG, 4, [1.0, 1.0], LONG) == (hybrid.FREE, 2)
+    assert hybrid.choose(hybrid.NONE, MEASURED, CONFIG, 4, [1.0] * 8) == (hybrid.NONE, 0)
+    assert hybrid.choose(hybrid.MODEL, MEASURED, CONFIG, 4, [1.0] * 8) == (hybrid.MODEL, 4)
+    assert hybrid.choose(hybrid.FREE, MEASURED, CONFIG, 4, [0.1]) == (hybrid.NONE, 0)
+    assert hybrid.choose(hybrid.FREE, MEASURED, CONFIG, 4, [1.0, 1.0]) == (hybrid.FREE, 2)
 
 
 def test_drafts_the_target_keeps_rejecting_lower_the_calibration_until_none_is_sent():
     state = PolicyState(estimates=MEASURED)
     scores = [0.9, 0.8, 0.7, 0.6]
     rounds = 0
-    while hybrid.choose(hybrid.AUTO, state.estimates, CONFIG, 0, scores, LONG)[0] == hybrid.FREE:
+    while hybrid.choose(hybrid.AUTO, state.estimates, CONFIG, 0, scores)[0] == hybrid.FREE:
         rejected = RoundObservation(k=4, accepted=0, draft_s=0.0, verify_s=0.046, rtt_s=0.002)
-        state = hybrid.observe_free(state, rejected, scores, LONG, CONFIG)
+        state = hybrid.observe_free(state, rejected, scores, CONFIG)
         rounds += 1
         assert rounds < 10
-    assert state.estimates.free_calibration(LONG) < 0.3 and rounds >= 2  # not one unlucky round
+    assert state.estimates.free_calibration < 0.3 and rounds >= 2  # not one unlucky round
 
 
 def test_a_probe_of_the_draft_model_is_not_priced_by_the_acceptance_it_is_to_measure():
     """α learnt on other text (prose before this code) says a new session's catch-up would not pay;
     a probe is how the policy finds out whether it is still so, and one round is its whole cost."""
     stale = Estimates(**{**MEASURED.__dict__, "alpha": 0.2})
-    assert hybrid.choose(hybrid.AUTO, stale, CONFIG, 2, [], LONG, lag=40, remaining=100) == (hybrid.NONE, 0)
-    assert hybrid.choose(hybrid.AUTO, stale, CONFIG, 2, [], LONG, lag=40, remaining=100, probe=True) == (hybrid.MODEL, 2)
-    assert hybrid.choose(hybrid.AUTO, stale, CONFIG, 2, [0.9], LONG, lag=40, remaining=100, probe=True) == (hybrid.MODEL, 2)
+    assert hybrid.choose(hybrid.AUTO, stale, CONFIG, 2, [], lag=40, remaining=100) == (hybrid.NONE, 0)
+    assert hybrid.choose(hybrid.AUTO, stale, CONFIG, 2, [], lag=40, remaining=100, probe=True) == (hybrid.MODEL, 2)
+    assert hybrid.choose(hybrid.AUTO, stale, CONFIG, 2, [0.9], lag=40, remaining=100, probe=True) == (hybrid.MODEL, 2)
 
 
 # A 2-core AVX-512 host's passes (ms by positions, measured with eight sessions at once) and its draft step.
@@ -117,26 +116,9 @@ def test_under_load_a_probe_is_priced_like_any_round_with_its_catch_up_paid_by_t
     table = tuple((rows - 1, ms / 1e3) for rows, ms in LOADED_PASS.items())
     alone = Estimates(alpha=0.7, draft_step_s=0.017, verify_s=table, rtt_s=0.01, observations=50)
     loaded = Estimates(**{**alone.__dict__, "batch": 8.0})
-    assert hybrid.choose(hybrid.AUTO, alone, CONFIG, 1, [], LONG, lag=60, remaining=100, probe=True) == (hybrid.MODEL, 1)
-    assert hybrid.choose(hybrid.AUTO, loaded, CONFIG, 1, [], LONG, lag=60, remaining=100, probe=True) == (hybrid.NONE, 0)
+    assert hybrid.choose(hybrid.AUTO, alone, CONFIG, 1, [], lag=60, remaining=100, probe=True) == (hybrid.MODEL, 1)
+    assert hybrid.choose(hybrid.AUTO, loaded, CONFIG, 1, [], lag=60, remaining=100, probe=True) == (hybrid.NONE, 0)
     assert hybrid.catch_up_time(loaded, 60) > 7 * hybrid.catch_up_time(alone, 60)
-
-
-def test_a_model_free_draft_is_priced_by_what_drafts_of_its_match_length_brought():
-    """A one-token match is a guess (its first drafts were accepted 21-29 % of the time on the repo's
-    prompts, though scored 0.7), a sixteen-token one a copy: with eight sessions a pass, where each
-    further row costs them all, the copy is drafted and the guess is not. Rejections teach the
-    short matches' calibration and leave the long ones' as it was."""
-    table = tuple((rows - 1, ms / 1e3) for rows, ms in LOADED_PASS.items())
-    loaded = Estimates(alpha=0.7, draft_step_s=0.017, verify_s=table, rtt_s=0.01, observations=50, batch=8.0)
-    assert hybrid.choose(hybrid.AUTO, loaded, CONFIG, 0, [1.0], 1) == (hybrid.NONE, 0)
-    assert hybrid.choose(hybrid.AUTO, loaded, CONFIG, 0, [1.0], LONG) == (hybrid.FREE, 1)
-    state = PolicyState(estimates=MEASURED)
-    for _ in range(4):
-        rejected = RoundObservation(k=1, accepted=0, draft_s=0.0, verify_s=0.034, rtt_s=0.002)
-        state = hybrid.observe_free(state, rejected, [1.0], 1, CONFIG)
-    assert state.estimates.free_calibration(1) < 0.2 < MEASURED.free_calibration(1)
-    assert state.estimates.free_calibration(LONG) == MEASURED.free_calibration(LONG)
 
 
 def test_a_key_whose_last_request_fell_back_probes_and_speculates_on_text_its_draft_knows():

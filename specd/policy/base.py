@@ -8,14 +8,7 @@ from specd.validation import validate_that
 
 SPECULATIVE, PLAIN = "speculative", "plain"
 CALIBRATION_ROUNDS = 2  # plain rounds a fresh state may spend measuring verify(0)
-FREE_PRIOR = 2.0  # weight, in drafts, of the prior on how far a model-free draft's scores are right
-# A model-free draft's acceptance is learnt by the length of the match it continues (a one-token match
-# is a guess, a sixteen-token one a copy): the buckets' shortest matches.
-MATCH_BUCKETS = (1, 2, 3, 4, 8, 16)
-
-
-def match_bucket(match: int) -> int:
-    return max((i for i, low in enumerate(MATCH_BUCKETS) if match >= low), default=0)
+FREE_PRIOR = 2.0  # weight, in drafts, of the prior that a model-free draft's scores are right
 
 
 @dataclass(frozen=True)
@@ -75,23 +68,15 @@ class Estimates:
     accepted_count: float = 0.0  # decayed count of accepted drafts; alpha = accepted_count / tested_count
     tested_count: float = 0.0  # decayed count of drafts the target judged (accepted + 1 unless all passed)
     judged: int = 0  # drafts the target judged in this session (not decayed, not inherited)
-    # by MATCH_BUCKETS (empty: none yet): decayed counts of accepted model-free drafts (specd/policy/hybrid.py),
-    # and decayed sums of those drafts' scores, what the drafter expected
-    free_accepted_by_match: tuple[float, ...] = ()
-    free_expected_by_match: tuple[float, ...] = ()
+    free_accepted: float = 0.0  # decayed count of accepted model-free drafts (specd/policy/hybrid.py)
+    free_expected: float = 0.0  # decayed sum of those drafts' scores: what the drafter expected
     batch: float = 1.0  # sessions sharing the target's passes (up at once, down by EWMA): a round is priced as a pass of them all
     draft_batched: tuple[tuple[int, float], ...] = ()  # the draft step with that many sessions in the passes (> 1)
 
-    def free_calibration(self, match: int) -> float:
-        """c of a draft that continues a `match`-token match: accepted drafts per unit of score in its
-        bucket, from a prior of m / (m + 2) (m: the bucket's shortest match) worth FREE_PRIOR drafts.
-        On the repo's prompts one-token matches' first drafts were accepted 21-29 % of the time,
-        sixteen-token ones' 96-99 %, while the scores said 0.7 and 1.0."""
-        bucket = match_bucket(match)
-        shortest = MATCH_BUCKETS[bucket]
-        accepted = self.free_accepted_by_match[bucket] if self.free_accepted_by_match else 0.0
-        expected = self.free_expected_by_match[bucket] if self.free_expected_by_match else 0.0
-        return (accepted + FREE_PRIOR * shortest / (shortest + 2)) / (expected + FREE_PRIOR)
+    @property
+    def free_calibration(self) -> float:
+        """c: accepted model-free drafts per unit of score, from a prior of 1 worth FREE_PRIOR drafts."""
+        return (self.free_accepted + FREE_PRIOR) / (self.free_expected + FREE_PRIOR)
 
 
 @dataclass(frozen=True)

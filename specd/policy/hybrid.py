@@ -7,7 +7,7 @@ Rates, with T(0) = verify(0) + rtt the plain step:
 - a model-free draft's first m tokens: (1 + E_m) / (verify(m) + rtt), one RPC (it costs no draft
   call), E_m = Σ_{i<m} min(1, c · score_i): a token's score is the drafter's estimate that it and
   every token before it are accepted, and c corrects it by what this deployment's target has
-  accepted of drafts that continued a match of about the same length (decayed counts, as α's).
+  accepted of such drafts (decayed counts, as α's).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import replace
 
-from specd.policy.base import MATCH_BUCKETS, PLAIN, Estimates, PolicyConfig, PolicyState, RoundObservation, match_bucket
+from specd.policy.base import PLAIN, Estimates, PolicyConfig, PolicyState, RoundObservation
 from specd.policy.cost import batch_sessions, expected_tokens, grown, is_measured, round_time, verify_time
 from specd.policy.learning import learn_pass
 
@@ -26,27 +26,26 @@ UNMEASURED_MIN_EXPECTED = 1.0  # before timings exist, a model-free draft is use
 CAUGHT_UP = 2  # committed tokens a draft lacks at a normal round: the last round's accepted tail and its new token
 
 
-def free_expected(est: Estimates, scores: Sequence[float], match: int, m: int) -> float:
-    """E_m: the accepted tokens the first m tokens of a model-free draft that continues a `match`-token
-    match are expected to bring."""
-    c = est.free_calibration(match)
+def free_expected(est: Estimates, scores: Sequence[float], m: int) -> float:
+    """E_m: the accepted tokens a model-free draft's first m tokens are expected to bring."""
+    c = est.free_calibration
     return sum(min(1.0, c * s) for s in scores[:m])
 
 
-def free_choice(est: Estimates, scores: Sequence[float], match: int) -> tuple[int, float]:
+def free_choice(est: Estimates, scores: Sequence[float]) -> tuple[int, float]:
     """(m, tokens/s) of the best prefix of a model-free draft (m = 0: none of it pays)."""
     if not scores or not is_measured(est):
-        m = len(scores) if free_expected(est, scores, match, len(scores)) >= UNMEASURED_MIN_EXPECTED else 0
+        m = len(scores) if free_expected(est, scores, len(scores)) >= UNMEASURED_MIN_EXPECTED else 0
         return m, math.nan
-    rates = [(m, (1 + free_expected(est, scores, match, m)) / (verify_time(est, m) + est.rtt_s))
+    rates = [(m, (1 + free_expected(est, scores, m)) / (verify_time(est, m) + est.rtt_s))
              for m in range(len(scores) + 1)]
     return max(rates, key=lambda mr: (mr[1], -mr[0]))
 
 
-def choose(drafter: str, est: Estimates, config: PolicyConfig, k: int, scores: Sequence[float], match: int,
+def choose(drafter: str, est: Estimates, config: PolicyConfig, k: int, scores: Sequence[float],
            lag: int = 0, remaining: int = 1, probe: bool = False) -> tuple[str, int]:
     """(the round's drafter, its draft length) from the request's `drafter`, the policy's K for the
-    draft model (0: plain step or no draft model), a model-free draft's scores and match length, and for `auto` the
+    draft model (0: plain step or no draft model), a model-free draft's scores, and for `auto` the
     committed tokens the draft model lacks (`lag`) and the tokens the request may still make.
     A `probe` (plain mode's test of the draft model) of a session alone goes to the draft model: it is
     there to measure α on this text, and pricing it by the α it is to measure would keep it from ever
@@ -55,7 +54,7 @@ def choose(drafter: str, est: Estimates, config: PolicyConfig, k: int, scores: S
         return NONE, 0
     if drafter == MODEL or (probe and drafter == AUTO and k > 0 and batch_sessions(est) == 1):
         return (MODEL, k) if k > 0 else (NONE, 0)
-    m, free_rate = free_choice(est, scores, match)
+    m, free_rate = free_choice(est, scores)
     if drafter == FREE:
         return (FREE, m) if m > 0 else (NONE, 0)
     rate = model_rate(est, k, lag, remaining) if k > 0 and is_measured(est) else math.nan
@@ -83,27 +82,19 @@ def catch_up_time(est: Estimates, lag: int) -> float:
     return grown(est, est.draft_step_s, 1, batch_sessions(est) * lag)
 
 
-def learn_free(est: Estimates, obs: RoundObservation, scores: Sequence[float], match: int,
-               config: PolicyConfig) -> Estimates:
-    """A model-free round teaches the calibration c of its match's bucket (every bucket's evidence
-    ages) and the target's verify time at its K, nothing of the draft model (α, its step)."""
+def learn_free(est: Estimates, obs: RoundObservation, scores: Sequence[float], config: PolicyConfig) -> Estimates:
+    """A model-free round teaches the calibration c and the target's verify time at its K, nothing
+    of the draft model (α, its step)."""
     keep = 1.0 - 1.0 / config.alpha_window
-    bucket = match_bucket(match)
-    accepted = _decayed(est.free_accepted_by_match, keep, bucket, obs.accepted)
-    expected = _decayed(est.free_expected_by_match, keep, bucket, sum(scores[: obs.k]))
+    accepted = est.free_accepted * keep + obs.accepted
+    expected = est.free_expected * keep + sum(scores[: obs.k])
     est = learn_pass(est, obs, config.smoothing, obs.target_cold)
-    return replace(est, free_accepted_by_match=accepted, free_expected_by_match=expected)
+    return replace(est, free_accepted=accepted, free_expected=expected)
 
 
-def _decayed(counts: tuple[float, ...], keep: float, bucket: int, add: float) -> tuple[float, ...]:
-    counts = counts or (0.0,) * len(MATCH_BUCKETS)
-    return tuple(count * keep + (add if i == bucket else 0.0) for i, count in enumerate(counts))
-
-
-def observe_free(state: PolicyState, obs: RoundObservation, scores: Sequence[float], match: int,
-                 config: PolicyConfig) -> PolicyState:
+def observe_free(state: PolicyState, obs: RoundObservation, scores: Sequence[float], config: PolicyConfig) -> PolicyState:
     """After a model-free round: its lessons (`learn_free`); plain mode's wait for a probe of the
     draft model goes on, and that model's next draft is cold (it has the round's tokens to catch up on)."""
     countdown = max(0, state.plain_rounds_until_probe - 1) if state.mode == PLAIN else state.plain_rounds_until_probe
-    return replace(state, estimates=learn_free(state.estimates, obs, scores, match, config), drafted_last_round=False,
+    return replace(state, estimates=learn_free(state.estimates, obs, scores, config), drafted_last_round=False,
                    plain_rounds_until_probe=countdown)
