@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
             subcommand(parser, args.command).error(str(error))
     if args.command == "up":
         try:
-            up.edge_tls_of(args)  # a missing file or a key that is not the certificate's: before anything starts
+            args.edge_tls = up.edge_tls_of(args)  # a missing file, a key not the certificate's: before anything starts
         except ValueError as error:
             subcommand(parser, args.command).error(str(error))
     args.passed = passed

@@ -57,7 +57,7 @@ def tls_dir_of(args: argparse.Namespace, run_dir: Path) -> Path | None:
 
 def edge_tls_of(args: argparse.Namespace) -> EdgeTls | None:
     """The coordinator's edge certificate under `specd up` (--edge-tls-cert and --edge-tls-key, checked
-    before any child starts), or None: plaintext, on loopback unless --insecure."""
+    once, before any child starts: `args.edge_tls`), or None: plaintext, on loopback unless --insecure."""
     from services.common.tls import EdgeTls
 
     return EdgeTls.from_flags(args.edge_tls_cert, args.edge_tls_key)
@@ -136,7 +136,7 @@ def _run_services(
     # The coordinator reads the store's URL (and its password) from its environment, never argv.
     os.environ[settings.env_name("redis-url")] = redis_url
     children = Supervisor(commands(args, paths, cores_lock, tls_dir))
-    edge = edge_tls_of(args)
+    edge = args.edge_tls  # checked by the command line (edge_tls_of)
     stopping = False
 
     def stop(*_):
