@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Iterator, Sequence
 
+import specd
 from services.common.redis_server import free_port
 
 SPEC_DRAFT_MAX = 8  # --spec-draft-n-max, as the issue's measurement ran it
@@ -51,7 +52,7 @@ def serve(binary: Path, gguf: Path, threads: int, draft_gguf: Path | None = None
     command += [*spec_args, *(["--swa-full"] if swa_full else [])]
     # Its log goes to a file: a pipe nobody reads fills (64 KiB) and stalls llama-server on a long run.
     with tempfile.TemporaryFile() as log:
-        proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log)
+        proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log, env=peer_environment())
         url = f"http://127.0.0.1:{port}"
         try:
             _wait_ready(url, proc, log, timeout_s)
@@ -63,6 +64,15 @@ def serve(binary: Path, gguf: Path, threads: int, draft_gguf: Path | None = None
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+def peer_environment() -> dict[str, str]:
+    """This process's environment as the user set it: llama-server (libgomp too) runs with its own
+    OpenMP defaults, not the spin bound specd sets for its services (specd/__init__.py)."""
+    env = dict(os.environ)
+    if specd.SPIN_SET_BY_SPECD:
+        env.pop("GOMP_SPINCOUNT", None)
+    return env
 
 
 def _wait_ready(url: str, proc: subprocess.Popen, log: IO[bytes], timeout_s: float) -> None:
