@@ -11,8 +11,10 @@ latest tokens is a good guess, and it costs nothing to make. Two sources, as Suf
 
 Each is a `SuffixIndex`: the longest suffix of the context (up to `max_depth` tokens) that occurred
 before, then, position by position, the most frequent next token among those occurrences. A draft
-token's score is the product of those frequencies (how sure the text is); drafting stops below
-`min_score`, and at `spec_factor` × the match length (a short match predicts little).
+token's score is the chance that the copy goes on to it: each draft token continues a match one
+token longer than the last, and an L-token match goes on with odds L : MATCH_PRIOR; times the product
+of those frequencies (how sure the text is). Drafting stops below `min_score`, and at
+`spec_factor` × the match length (a short match predicts little).
 
 Exactness does not depend on any of this: a model-free draft is a point mass (q one-hot), which
 the target's verification accepts with probability p(x) and otherwise resamples from p without x
@@ -32,7 +34,12 @@ from specd.contracts import Proposal, SparseDist
 MAX_DEPTH = 32  # longest suffix matched, tokens
 MAX_CANDIDATES = 256  # most recent occurrences of the last token examined (bounds a round's work)
 SPEC_FACTOR = 1.0  # tokens drafted per matched token, at most
-MIN_SCORE = 0.1  # a draft token's score (product of continuation frequencies) must reach this
+MIN_SCORE = 0.1  # a draft token's score must reach this
+# An L-token match goes on with odds L : MATCH_PRIOR. The frequencies alone scored the first draft after
+# a one-token match 0.71 on the repo's prompts' greedy outputs where the target accepted 21-29 %, and
+# after 16 or more 1.0 where it accepted 96-99 %; L / (L + 2) tracks the rates between (0.42-0.63 at 2,
+# 0.56-0.77 at 3, 0.72-0.92 at 4-15).
+MATCH_PRIOR = 2.0
 # Memory: ~8 bytes a token held (the token and its position, 32-bit), so at most ~0.2 GB in all.
 SESSION_TOKENS = 8192  # a session's index keeps its latest tokens
 OWNER_TOKENS = 32768  # an owner's store of recent outputs
@@ -100,7 +107,8 @@ class SuffixIndex:
             if not following:
                 break
             token, count = max(following.items(), key=lambda kv: (kv[1], self._latest(ends, kv[0])))
-            score *= count / sum(following.values())
+            depth = match + len(tokens)  # the match, extended by the drafts so far
+            score *= depth / (depth + MATCH_PRIOR) * count / sum(following.values())
             if score < min_score:
                 break
             tokens.append(token)

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import random
 
-from specd.model_free import NO_DRAFT, SEPARATOR, SuffixDrafter, SuffixIndex
+import pytest
+
+from specd.model_free import MATCH_PRIOR, NO_DRAFT, SEPARATOR, SuffixDrafter, SuffixIndex
 
 TEXT = [10, 11, 12, 13, 14, 15, 16, 17]
 
@@ -16,29 +18,53 @@ def index_of(tokens: list[int], capacity: int = 1000) -> SuffixIndex:
     return index
 
 
+def continuing(match: int, n: int) -> tuple[float, ...]:
+    """The scores of n drafts with one continuation each after a `match`-token match: the i-th draft
+    continues a match of match + i tokens, which goes on with odds (match + i) : MATCH_PRIOR."""
+    scores, score = [], 1.0
+    for i in range(n):
+        score *= (match + i) / (match + i + MATCH_PRIOR)
+        scores.append(score)
+    return tuple(scores)
+
+
 def test_a_repeated_passage_is_drafted_from_where_it_occurred_before():
     context = [*TEXT, 1, 2, 10, 11, 12]
     draft = index_of(context).draft(context, k=4, spec_factor=2)
-    assert draft.tokens == (13, 14, 15, 16) and draft.match == 3 and draft.scores == (1.0,) * 4
+    assert draft.tokens == (13, 14, 15, 16) and draft.match == 3
+    assert draft.scores == pytest.approx(continuing(3, 4)) and draft.scores[0] == pytest.approx(3 / 5)
+
+
+def test_a_longer_match_is_trusted_more():
+    """A one-token match predicts little (offline, its first drafts were accepted 21-29 %), a long one
+    a copy: the same single continuation scores by the match's length."""
+    short = [*TEXT, 1, 15]
+    long = [*TEXT, 1, *TEXT[:7]]
+    (s,), (l,) = index_of(short).draft(short, k=1).scores, index_of(long).draft(long, k=1).scores
+    assert s == pytest.approx(1 / 3) and l == pytest.approx(7 / 9)
 
 
 def test_the_longest_match_decides_and_the_most_frequent_continuation_wins():
     # after "5 6" came 7 twice and 8 once; after "4 5 6" only 8
     context = [5, 6, 7, 1, 5, 6, 7, 2, 5, 6, 8, 3, 5, 6]
     draft = index_of(context).draft(context, k=1, spec_factor=4)
-    assert draft.tokens == (7,) and draft.match == 2 and abs(draft.scores[0] - 2 / 3) < 1e-12
+    assert draft.tokens == (7,) and draft.match == 2 and draft.scores[0] == pytest.approx(2 / 4 * 2 / 3)
     longer = [4, 5, 6, 8, 0, *context[:-2], 4, 5, 6]
     assert index_of(longer).draft(longer, k=1).tokens == (8,) and index_of(longer).draft(longer, k=1).match == 3
 
 
 def test_drafting_stops_where_the_text_is_unsure_and_at_the_match_length():
     branching = [1, 2, 3, 7, 1, 2, 4, 8, 1, 2, 5, 9, 1, 2]  # after "1 2": 3, 4, 5 once each
-    assert index_of(branching).draft(branching, k=4, spec_factor=4, min_score=0.5) == NO_DRAFT
-    assert index_of(branching).draft(branching, k=1, min_score=0.3).tokens == (5,)  # ties: the latest
-    assert index_of(branching).draft(branching, k=4, spec_factor=4, min_score=0.3).tokens == (5, 9, 1, 2)
+    # a 2-token match (1/2) of which the continuation is one of three (1/3): 1/6
+    assert index_of(branching).draft(branching, k=4, spec_factor=4, min_score=0.2) == NO_DRAFT
+    assert index_of(branching).draft(branching, k=1, min_score=0.15).tokens == (5,)  # ties: the latest
+    # then 9, 1, 2 for sure, each continuing a match one token longer: 1/6 * 3/5 * 4/6 * 5/7
+    assert index_of(branching).draft(branching, k=4, spec_factor=4, min_score=0.05).tokens == (5, 9, 1)
+    assert index_of(branching).draft(branching, k=4, spec_factor=4, min_score=0.04).tokens == (5, 9, 1, 2)
     context = [*TEXT, 9, 12, 13]  # a 2-token match
     assert index_of(context).draft(context, k=8).tokens == (14, 15)  # spec_factor 1: at most 2 tokens
-    assert index_of(context).draft(context, k=8, spec_factor=3).tokens == (14, 15, 16, 17, 9, 12)
+    assert index_of(context).draft(context, k=8, spec_factor=3, min_score=0.0).tokens == (14, 15, 16, 17, 9, 12)
+    assert index_of(context).draft(context, k=8, spec_factor=3).tokens == (14, 15, 16, 17, 9)  # 6th: 1/12
 
 
 def test_a_match_that_runs_into_the_end_of_another_text_is_drafted_to_there():
