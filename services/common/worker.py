@@ -45,8 +45,9 @@ GATHER_TURNS = 2  # a turn waits for the sessions the last this many turns took
 class Batching:
     max_batch: int = DEFAULT_MAX_BATCH  # calls one pass takes at most
     # A turn missing sessions of the last turns waits for them at most this fraction of a pass
-    # (0: never): they are usually a few milliseconds behind, replies to the other service's pass.
-    wait: float = 0.1
+    # (0: never): they are a few milliseconds behind, replies to the last pass that one coordinator
+    # handles in turn (~1-1.5 ms a session: eight of them outlast a tenth of a pass, and the passes split).
+    wait: float = 0.3
 
     def validate(self) -> None:
         validate_that(self.max_batch >= 1, f"max_batch must be >= 1, got {self.max_batch}")

@@ -3,6 +3,7 @@ decisions read off it (the best K, falling back). Formulas and rationale: docs/p
 
 from __future__ import annotations
 
+import functools
 import math
 
 from specd.policy.base import CALIBRATION_ROUNDS, Estimates, PolicyConfig
@@ -41,13 +42,15 @@ def pass_time(est: Estimates, k: int) -> float | None:
         return points[k]
     if not points:
         return None
-    slope, intercept = _fit(points)
+    slope, intercept = _fit(est.verify_s)
     floor = max((t * (k + 1) / (km + 1) for km, t in points.items() if km > k), default=0.0)
     return max(intercept + slope * k, floor)
 
 
-def _fit(points: dict[int, float]) -> tuple[float, float]:
+@functools.lru_cache(maxsize=64)  # a round prices every K against the same points
+def _fit(measured: tuple[tuple[int, float], ...]) -> tuple[float, float]:
     """(slope, intercept) of verify time over K."""
+    points = dict(measured)
     if len(points) == 1:
         ((k1, t1),) = points.items()
         t0 = t1 / (1.0 + PRIOR_SLOPE * k1)
