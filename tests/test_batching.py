@@ -157,6 +157,17 @@ def test_a_lone_call_does_not_wait_for_a_batch():
     assert (batcher.batches, batcher.largest) == (1, 1)
 
 
+def passes_of(seconds: float, seen: list[list[str]]):
+    """A run_batch that records each batch and takes `seconds`, as a model pass would."""
+
+    def run_batch(items: list[str]) -> list[str]:
+        seen.append(items)
+        time.sleep(seconds)
+        return items
+
+    return run_batch
+
+
 @pytest.mark.parametrize("wait", [0.2, 0.0])
 def test_a_turn_waits_briefly_for_the_sessions_the_last_turns_took(wait):
     """a and b shared a pass; b now comes 50 ms after a (its reply from the other service was a
@@ -164,13 +175,7 @@ def test_a_turn_waits_briefly_for_the_sessions_the_last_turns_took(wait):
     without one each. A session that ended is not waited for, nor one that does not come in time."""
     worker = EngineWorker("test-gather")
     seen: list[list[str]] = []
-
-    def run_batch(items: list[str]) -> list[str]:
-        seen.append(items)
-        time.sleep(0.5)
-        return items
-
-    batcher = Batcher(worker, run_batch, key=lambda item: item[0], batching=Batching(wait=wait))
+    batcher = Batcher(worker, passes_of(0.5, seen), key=lambda item: item[0], batching=Batching(wait=wait))
 
     async def late(item: str, delay: float) -> str:
         await asyncio.sleep(delay)
@@ -451,13 +456,7 @@ def test_eight_sessions_answered_in_turn_by_one_coordinator_share_the_next_pass(
     each paying a whole pass's weights (`specd bench --load`: 0.92x plain at eight sessions)."""
     worker = EngineWorker("test-turns")
     seen: list[list[str]] = []
-
-    def run_batch(items: list[str]) -> list[str]:
-        seen.append(items)
-        time.sleep(0.1)
-        return items
-
-    batcher = Batcher(worker, run_batch, key=lambda item: item[0], batching=batching)
+    batcher = Batcher(worker, passes_of(0.1, seen), key=lambda item: item[0], batching=batching)
     sessions = "abcdefgh"
 
     async def main() -> None:
