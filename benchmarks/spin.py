@@ -42,8 +42,10 @@ def _serve(role: str, turns: mp.Queue, done: mp.Queue, ready: mp.Queue) -> None:
     from services.models import model_path
     from specd.gguf_model import GGUFModel
 
-    model, burst = None, _calibrated_burst() if role == "cpu" else 0
-    if role != "cpu":
+    model = None
+    if role == "cpu":
+        burst = _calibrated_burst()
+    else:
         model = GGUFModel(model_path(role))
         cache = model.new_cache()
         model.forward([cache], [list(range(1000, 1000 + CONTEXT))], [1])

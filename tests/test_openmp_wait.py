@@ -28,12 +28,24 @@ def test_a_users_own_openmp_wait_setting_wins():
     assert _imported_with(OMP_WAIT_POLICY="active") == "None False"
 
 
-def test_the_spin_is_set_where_torch_reads_it_first():
-    """The model services import specd before torch: the bound is in place when libgomp loads."""
-    code = "import sys, specd.engine; print('torch' in sys.modules, __import__('os').environ['GOMP_SPINCOUNT'])"
-    clean = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"}
-    out = subprocess.run([sys.executable, "-c", code], env=clean, check=True, capture_output=True, text=True)
-    assert out.stdout.split() == ["True", str(specd.OMP_SPINCOUNT)]
+# Records GOMP_SPINCOUNT as it is when the model services' entry first imports torch (libgomp loads then).
+AT_TORCH = """
+import builtins, os
+load, seen = builtins.__import__, []
+def watch(name, *args, **kwargs):
+    if name == "torch" and not seen:
+        seen.append(os.environ.get("GOMP_SPINCOUNT"))
+    return load(name, *args, **kwargs)
+builtins.__import__ = watch
+import services.common.model_main
+print(seen)
+"""
+
+
+def test_the_spin_is_set_before_the_model_services_load_torch():
+    clean = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    out = subprocess.run([sys.executable, "-c", AT_TORCH], env=clean, check=True, capture_output=True, text=True)
+    assert out.stdout.strip() == repr([str(specd.OMP_SPINCOUNT)])
 
 
 def test_llama_server_runs_with_its_own_openmp_defaults(monkeypatch):
