@@ -24,6 +24,7 @@ from specd.validation import validate_that
 MAX_CLIENT_ID = 128  # characters of a session or request id as a client names it
 MAX_SESSION_ID = MAX_CLIENT_ID + 32  # and its key's scope before it (services/coordinator/frontend.py)
 MAX_K = 32  # draft tokens per round a model service accepts
+MAX_DECODE_STEPS = 1 << 16  # plain steps one Decode stream may run (a request's max_tokens is far below)
 MAX_TOP_K = 1 << 20
 GREEDY_BELOW = 1e-5  # a temperature below this decodes greedily, as in vLLM: logits / 1e-300 overflow
 
@@ -131,6 +132,21 @@ class VerifyRequest:
         validate_session_id(self.session_id)
         validate_that(len(self.proposal.tokens) <= MAX_K, f"at most {MAX_K} draft tokens per round")
         self.params.validate()
+        return self
+
+
+@dataclass(frozen=True)
+class DecodeRequest:
+    """Plain steps back to back, up to max_steps, each decided as `step` (K = 0) is: the next one
+    feeds the token the last decided, so the target runs it while the caller handles the last."""
+
+    step: VerifyRequest
+    max_steps: int
+
+    def validate(self) -> "DecodeRequest":
+        self.step.validate()
+        validate_that(not self.step.proposal.tokens, "a decode's steps are plain: no draft tokens")
+        validate_that(1 <= self.max_steps <= MAX_DECODE_STEPS, f"max_steps must be in [1, {MAX_DECODE_STEPS}]")
         return self
 
 

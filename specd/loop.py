@@ -22,6 +22,7 @@ from typing import AsyncIterator, Awaitable, Callable, Sequence, TypeVar
 from opentelemetry import trace
 
 from specd.contracts import (
+    DecodeRequest,
     DraftReply,
     Proposal,
     ProposeRequest,
@@ -37,7 +38,7 @@ from specd.model_free import NO_DRAFT, Draft, SuffixDrafter
 from specd.outage import DraftOutage
 from specd.priority import Priority, RoundGate
 from specd.policy import PLAIN, PolicyConfig, PolicyState, RoundObservation, hybrid, inherit, next_k, observe
-from specd.protocols import Drafter, SessionStore, Verifier
+from specd.protocols import Decoder, Drafter, PlainSteps, SessionStore, Verifier
 from specd.session import Lease, ServiceCursor, SessionState, SessionStats, Turn
 from specd.stopping import Decode, StopChecker, StopRules
 from specd.validation import validate_that
@@ -94,6 +95,22 @@ class Services:
     outage: DraftOutage = field(default_factory=DraftOutage)
     model_free: SuffixDrafter | None = None  # drafts from the tokens at hand, in this process (None: off)
     gate: RoundGate = field(default_factory=RoundGate)  # short requests' rounds first (off by default)
+    decoder: Decoder | None = None  # plain stretches as one stream of steps (None: a Step RPC a token)
+
+
+@dataclass
+class _Stretch:
+    """A turn's plain steps streamed by the target (`Decoder`), which runs the next step while the
+    loop handles the last: a plain token then costs no round trip of its own."""
+
+    allowed: bool = True
+    steps: PlainSteps | None = None
+    last: float = 0.0  # when its last reply came: a streamed step's wall is from there
+
+    def close(self) -> None:
+        if self.steps is not None:
+            self.steps.close()
+            self.steps = None
 
 
 @dataclass(frozen=True)
@@ -108,6 +125,7 @@ class _Turn:
     session_stats: SessionStats  # the session's counters before this request
     priority: Priority  # short requests' rounds first (specd/priority.py)
     owner: str = ""  # the session's owner: the model-free drafter's store of recent outputs is per owner
+    stretch: _Stretch = field(default_factory=_Stretch)
 
 
 @dataclass(frozen=True)
@@ -171,21 +189,21 @@ async def one_round(request: GenerationRequest, session_id: str, services: Servi
     """One round of a request on a session, saved, and nothing after it (start-up calibration times
     rounds one at a time: a round run ahead would be one more pass in the middle of its timings)."""
     with services.gate.request() as priority:
-        turn, progress, _ = await _start_turn(request, session_id, services, decode, priority)
+        turn, progress, _ = await _start_turn(request, session_id, services, decode, priority, stream=False)
         result = await run_round(turn, progress)
         await _save(turn, result)
         return result.record
 
 
 async def _start_turn(request: GenerationRequest, session_id: str, services: Services, decode: Decode,
-                      priority: Priority, owner: str = "", request_id: str = ""
+                      priority: Priority, owner: str = "", request_id: str = "", stream: bool = True
                       ) -> tuple[_Turn, _Progress, tuple[int, ...]]:
     """Take the session over and open the turn: what its rounds share, the progress before them,
-    and what a retried turn had already generated."""
+    and what a retried turn had already generated. `stream`: plain stretches may run as a stream."""
     lease, state = await services.store.begin(session_id, create=True, owner=owner)
     state, stored, replayed = await _open_turn(state, request, request_id, services.store)
     turn = _Turn(request, session_id, services, lease, StopChecker(request.rules, decode), state.stats, priority,
-                 state.owner)
+                 state.owner, _Stretch(allowed=stream))
     return turn, _Progress(state, stored, SessionStats()), replayed
 
 
@@ -217,6 +235,7 @@ async def _saved_rounds(turn: _Turn, progress: _Progress) -> AsyncIterator[Round
         if ahead is not None:  # the save failed or the client left: the round ahead is dropped
             ahead.cancel()
             await asyncio.gather(ahead, return_exceptions=True)
+        turn.stretch.close()
 
 
 async def _save(turn: _Turn, result: RoundResult) -> float:
@@ -251,16 +270,25 @@ async def _run_round(turn: _Turn, progress: _Progress) -> RoundResult:
         free = _free_draft(turn, state, min(request.policy.max_k, remaining - 1))
         source, k = _drafter(request, state, k, free, _model_drafts(turn, progress), remaining)
         drafting, outage, proposal = None, False, EMPTY_PROPOSAL
-        if source == hybrid.FREE:
+        # a stretch's step in flight is this round's, whatever it chose (the next round chooses again)
+        streamed = await _streamed_step(turn.stretch, plain=source == hybrid.NONE)
+        if streamed:
+            source, k = hybrid.NONE, 0
+        elif source == hybrid.FREE:
             proposal = model_free.proposal(free.tokens[:k], request.params.greedy)
         elif source == hybrid.MODEL:
             drafting, outage = await _draft(turn, state, k)
             proposal = drafting.reply.proposal if drafting else EMPTY_PROPOSAL
         k = len(proposal.tokens)  # a confidence stop may have drafted fewer
         # 2. verify
-        verifying = await _call(state.target, state.tokens, lambda s: services.verifier.verify(
-            VerifyRequest(turn.session_id, s, proposal, request.params)
-        ))
+        if streamed:
+            verifying = streamed
+        elif k == 0 and (steps := _stretch_steps(turn, state, remaining)):
+            verifying = await _open_stretch(turn, state, steps)
+        else:
+            verifying = await _call(state.target, state.tokens, lambda s: services.verifier.verify(
+                VerifyRequest(turn.session_id, s, proposal, request.params)
+            ))
         verdict, a = verifying.reply.verdict, verifying.reply.verdict.num_accepted
         # 3. commit what the stop rules let through
         emitted, text = _apply_stop_rules(turn.checker, verdict.committed(proposal.tokens))
@@ -269,7 +297,7 @@ async def _run_round(turn: _Turn, progress: _Progress) -> RoundResult:
         draft = ServiceCursor(min(n + a, len(committed)), drafting.reply.instance_id) if drafting else state.draft
         target = ServiceCursor(min(verifying.reply.position, len(committed)), verifying.reply.instance_id)
         # 5. learn: acceptance and timings feed the K / fallback policy
-        observation = _observation(k, a, drafting, verifying)
+        observation = _observation(k, a, drafting, verifying, streamed=streamed is not None)
         policy = state.policy
         if source == hybrid.FREE:
             policy = hybrid.observe_free(policy, observation, free.scores, request.policy)
@@ -458,9 +486,11 @@ def _call_times(drafting: _Called | None, verifying: _Called) -> SessionStats:
                         verify_queued_s=verifying.reply.queued_s)
 
 
-def _observation(k: int, accepted: int, drafting: _Called | None, verifying: _Called) -> RoundObservation:
+def _observation(k: int, accepted: int, drafting: _Called | None, verifying: _Called,
+                 streamed: bool = False) -> RoundObservation:
     calls = [verifying] + ([drafting] if drafting else [])
     return RoundObservation(
+        streamed=streamed,
         k=k,
         accepted=accepted,
         draft_s=drafting.reply.compute_s if drafting else 0.0,
@@ -484,6 +514,43 @@ async def _call(cursor: ServiceCursor, committed: Sequence[int], call: Callable[
         sync, resynced = _sync(ServiceCursor(), committed), True
         reply = await call(sync)
     return _Called(reply, time.perf_counter() - start, len(sync.tokens), resynced)
+
+
+def _stretch_steps(turn: _Turn, state: SessionState, remaining: int) -> int:
+    """Plain steps to stream from this plain round on (0: one Step): when the turn decodes plainly
+    for a while (speculation off, plain mode between probes, or no draft model), up to what the
+    request may still make; each round's own choice stops the stream when it would draft."""
+    request, services = turn.request, turn.services
+    if not turn.stretch.allowed or services.decoder is None or remaining < 2:
+        return 0
+    pinned_plain = request.fixed_k == 0 or request.drafter == hybrid.NONE
+    adaptive_plain = request.fixed_k is None and (state.policy.mode == PLAIN or services.drafter is None)
+    return remaining if pinned_plain or adaptive_plain else 0
+
+
+async def _open_stretch(turn: _Turn, state: SessionState, steps: int) -> _Called:
+    """Start streaming plain steps; its first step is this round's."""
+    decoder, request = turn.services.decoder, turn.request
+    called = await _call(state.target, state.tokens, lambda s: decoder.decode(
+        DecodeRequest(VerifyRequest(turn.session_id, s, EMPTY_PROPOSAL, request.params), steps)))
+    turn.stretch.steps, turn.stretch.last = called.reply, time.perf_counter()
+    return replace(called, reply=called.reply.first)
+
+
+async def _streamed_step(stretch: _Stretch, plain: bool) -> _Called | None:
+    """The stretch's next step (None: no stretch, or it ended); a round that would not be plain
+    stops it first, and still takes the step in flight."""
+    if stretch.steps is None:
+        return None
+    if not plain:
+        await stretch.steps.stop()
+    reply = await stretch.steps.next()
+    if reply is None:
+        stretch.close()
+        return None
+    now = time.perf_counter()
+    called, stretch.last = _Called(reply, now - stretch.last, 1), now
+    return called
 
 
 def _sync(cursor: ServiceCursor, committed: Sequence[int]) -> SyncPoint:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from specd.contracts import DraftReply, ProposeRequest, VerifyReply, VerifyRequest
+from specd.contracts import DecodeRequest, DraftReply, ProposeRequest, VerifyReply, VerifyRequest
 from specd.policy import PolicyState
 from specd.session import Lease, SessionState
 
@@ -25,6 +25,26 @@ class Verifier(Protocol):
     async def verify(self, request: VerifyRequest) -> VerifyReply: ...
 
     async def release(self, session_id: str) -> None: ...
+
+
+class PlainSteps(Protocol):
+    """Plain target steps run back to back (a `Decoder`'s): each reply as a Step's would be."""
+
+    first: VerifyReply  # the first step's
+
+    async def next(self) -> VerifyReply | None:
+        """The next step's reply; None once the run ended (its steps done, stopped, or failed)."""
+
+    async def stop(self) -> None:
+        """No steps after the one in flight, whose reply still comes."""
+
+    def close(self) -> None:
+        """Abandon the run: steps it took past the committed tokens stay in the target's soft cache."""
+
+
+class Decoder(Protocol):
+    async def decode(self, request: DecodeRequest) -> PlainSteps:
+        """Start the steps, the first one's reply read (StaleSession as `Verifier.verify`)."""
 
 
 class SessionStore(Protocol):

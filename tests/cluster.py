@@ -79,11 +79,14 @@ class Cluster:
             if register:
                 server, ports[role] = await start_server(register, "127.0.0.1:0")
                 self.servers.append(server)
+        verifier = GrpcVerifier([f"127.0.0.1:{ports['target']}"],
+                                **({"retry_s": self.target_wait_s} if self.target_wait_s else {}))
         self.services = Services(
             GrpcDrafter([f"127.0.0.1:{ports['draft']}"]) if self.draft else None,
-            GrpcVerifier([f"127.0.0.1:{ports['target']}"], **({"retry_s": self.target_wait_s} if self.target_wait_s else {})),
+            verifier,
             RedisSessionStore(self.redis_url),
             model_free=SuffixDrafter() if self.model_free else None,
+            decoder=verifier,
         )
         quotas = self.quota_limits and Quotas(self.services.store.client, self.quota_limits, session_ttl_s=3600)
         self.frontend = Frontend(self.services, self.model, self.limits, self.audit_rate, quotas)

@@ -8,10 +8,11 @@ function of the prefix, so the "target alone" output is easy to compute.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
 from specd.contracts import (
+    DecodeRequest,
     DraftReply,
     Proposal,
     ProposeRequest,
@@ -123,6 +124,64 @@ class FakeVerifier(FakeService):
         tokens.append(wanted)
         return VerifyReply(Verdict(accepted, wanted), len(tokens), self.instance_id, self.compute_s,
                            await self._wait())
+
+
+@dataclass
+class FakeDecoder:
+    """Streams plain steps from a FakeVerifier as the target service's Decode does: the next step
+    runs as soon as the caller takes the last reply (one in flight), none after a stop but the one
+    in flight. Counts streams opened and steps run, those run ahead included."""
+
+    verifier: FakeVerifier
+    opened: int = 0
+    steps: int = 0
+    fail_after: int | None = None  # a stream ends (its replica died) after this many steps
+
+    async def decode(self, request: DecodeRequest) -> "FakeSteps":
+        request.validate()
+        self.opened += 1
+        stream = FakeSteps(self, request, request.max_steps)
+        stream.first = await stream.step(request.step)
+        stream.run_ahead(stream.first)
+        return stream
+
+
+@dataclass
+class FakeSteps:
+    decoder: FakeDecoder
+    request: DecodeRequest
+    left: int
+    first: VerifyReply | None = None
+    stopped: bool = False
+    ahead: asyncio.Future | None = None
+    ran: int = 0
+
+    async def step(self, request: VerifyRequest) -> VerifyReply:
+        self.left, self.ran = self.left - 1, self.ran + 1
+        self.decoder.steps += 1
+        return await self.decoder.verifier.verify(request)
+
+    def run_ahead(self, reply: VerifyReply) -> None:
+        failed = self.decoder.fail_after is not None and self.ran >= self.decoder.fail_after
+        if self.left <= 0 or self.stopped or failed:
+            self.ahead = None
+            return
+        sync = SyncPoint(reply.position, (), reply.instance_id)
+        self.ahead = asyncio.ensure_future(self.step(replace(self.request.step, sync=sync)))
+
+    async def next(self) -> VerifyReply | None:
+        if self.ahead is None:
+            return None
+        reply = await self.ahead
+        self.run_ahead(reply)
+        return reply
+
+    async def stop(self) -> None:
+        self.stopped = True
+
+    def close(self) -> None:
+        if self.ahead is not None:
+            self.ahead.cancel()
 
 
 @dataclass

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import inspect
 import logging
-from typing import Awaitable, Callable, TypeVar
+from typing import Any, AsyncIterator, Callable
 
 import grpc
 
@@ -14,35 +16,48 @@ from specd.validation import InvalidParams
 
 POSITION_KEY = "specd-position"
 log = logging.getLogger(__name__)
-R = TypeVar("R")
 
 
 class Draining(Exception):
     """The service is stopping: it finishes the calls it has and takes no new ones."""
 
 
-def grpc_errors(method: Callable[..., Awaitable[R]]) -> Callable[..., Awaitable[R]]:
-    """Servicer decorator: refused input -> INVALID_ARGUMENT, lost prefix -> FAILED_PRECONDITION, ...;
-    any other ValueError is ours -> INTERNAL."""
+def grpc_errors(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Servicer decorator, for unary and streamed replies: refused input -> INVALID_ARGUMENT, lost
+    prefix -> FAILED_PRECONDITION, ...; any other ValueError is ours -> INTERNAL."""
+    if inspect.isasyncgenfunction(method):
+        @functools.wraps(method)
+        async def streamed(self, request, context: grpc.aio.ServicerContext):
+            async with _translated(method.__name__, context):
+                async for reply in method(self, request, context):
+                    yield reply
+
+        return streamed
 
     @functools.wraps(method)
     async def wrapper(self, request, context: grpc.aio.ServicerContext):
-        try:
+        async with _translated(method.__name__, context):
             return await method(self, request, context)
-        except PositionMismatch as e:
-            context.set_trailing_metadata(((POSITION_KEY, str(e.position)),))
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
-        except Draining as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-        except SessionsFull as e:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-        except (InvalidParams, ContextTooLong) as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except ValueError:  # not a request we refused on purpose: a bug, which a client must not read as its own
-            log.exception("%s failed", method.__name__)
-            await context.abort(grpc.StatusCode.INTERNAL, "internal error (logged by the service)")
 
     return wrapper
+
+
+@contextlib.asynccontextmanager
+async def _translated(name: str, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
+    try:
+        yield
+    except PositionMismatch as e:
+        context.set_trailing_metadata(((POSITION_KEY, str(e.position)),))
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+    except Draining as e:
+        await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+    except SessionsFull as e:
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+    except (InvalidParams, ContextTooLong) as e:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+    except ValueError:  # not a request we refused on purpose: a bug, which a client must not read as its own
+        log.exception("%s failed", name)
+        await context.abort(grpc.StatusCode.INTERNAL, "internal error (logged by the service)")
 
 
 def stale_session(error: grpc.aio.AioRpcError) -> StaleSession | None:

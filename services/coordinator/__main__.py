@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 async def serve(args: argparse.Namespace) -> None:
     drafter = None if args.draft_addr == root.NO_DRAFT else GrpcDrafter(args.draft_addr, tls=args.tls)
     verifier = GrpcVerifier(args.target_addr, retry_s=args.target_wait_s, tls=args.tls)
-    frontend = root.build(args, drafter, verifier)
+    frontend = root.build(args, drafter, verifier, decoder=verifier)
     services = frontend.services
     try:
         if args.require_durable_store == "on":

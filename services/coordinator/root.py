@@ -14,7 +14,7 @@ from pathlib import Path
 from specd import audit
 from specd.contracts import MAX_K, EngineInfo
 from specd.loop import Services
-from specd.protocols import Drafter, Verifier
+from specd.protocols import Decoder, Drafter, Verifier
 from specd.model_free import SuffixDrafter
 from specd.outage import DRAFT_TIMEOUT_S, DraftOutage
 from specd.policy import PolicyConfig
@@ -187,8 +187,10 @@ def _checked(parser: argparse.ArgumentParser, args: argparse.Namespace, edges: b
     return args
 
 
-def build(args: argparse.Namespace, drafter: Drafter | None, verifier: Verifier) -> Frontend:
-    """The frontend over these model-service clients, as the settings say."""
+def build(args: argparse.Namespace, drafter: Drafter | None, verifier: Verifier,
+          decoder: Decoder | None = None) -> Frontend:
+    """The frontend over these model-service clients, as the settings say (`decoder`: the target
+    pool's streamed plain steps; without one a plain token is a Step call)."""
     limits = Limits(
         default_k=args.default_k, max_k=args.max_k, min_confidence=args.draft_confidence,
         request_timeout_s=args.request_timeout_s, stream_stall_s=args.stream_stall_s,
@@ -196,11 +198,12 @@ def build(args: argparse.Namespace, drafter: Drafter | None, verifier: Verifier)
     if args.inject_rtt_ms:
         rtt_s = args.inject_rtt_ms / 1e3
         drafter, verifier = drafter and NetworkDelay(drafter, rtt_s), NetworkDelay(verifier, rtt_s)
+        decoder = decoder and NetworkDelay(decoder, rtt_s)
     password = args.redis_password_file.read_text().strip() if args.redis_password_file else None
     store = RedisSessionStore(args.redis_url, ttl_s=args.session_ttl_s, password=password)
     model_free = SuffixDrafter() if args.model_free == "on" else None
     gate = RoundGate(Background(args.background_after_tokens, args.background_wait_s))
-    services = Services(drafter, verifier, store, DraftOutage(args.draft_timeout_s), model_free, gate)
+    services = Services(drafter, verifier, store, DraftOutage(args.draft_timeout_s), model_free, gate, decoder)
     quota_limits = QuotaLimits(args.key_max_in_flight, args.key_max_sessions, args.key_tokens_per_minute,
                                args.key_requests_per_minute)
     quotas = Quotas(store.client, quota_limits, args.session_ttl_s)

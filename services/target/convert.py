@@ -3,7 +3,8 @@ request validation. Verify and Step (K = 0) both become a `VerifyRequest`."""
 
 from __future__ import annotations
 
-from specd.contracts import Proposal, Verdict, VerifyReply, VerifyRequest
+from specd.contracts import DecodeRequest, Proposal, Verdict, VerifyReply, VerifyRequest
+from specd.validation import InvalidParams
 from services.common import convert as common
 from services.protogen.specd.v1 import target_pb2
 
@@ -19,6 +20,22 @@ def step_from_proto(msg: target_pb2.StepRequest) -> VerifyRequest:
     return VerifyRequest(
         msg.session_id, common.sync_from_proto(msg.sync), Proposal((), ()), common.params_from_proto(msg.sampling)
     ).validate()
+
+
+def decode_from_proto(msg: target_pb2.DecodeMessage) -> DecodeRequest:
+    """A stream's first message: its start (any other is refused)."""
+    if msg.WhichOneof("kind") != "start":
+        raise InvalidParams("a Decode stream starts with its start message")
+    return DecodeRequest(step_from_proto(msg.start.step), msg.start.max_steps).validate()
+
+
+def decode_to_proto(request: DecodeRequest) -> target_pb2.DecodeMessage:
+    return target_pb2.DecodeMessage(start=target_pb2.DecodeStart(step=step_to_proto(request.step),
+                                                                 max_steps=request.max_steps))
+
+
+def taken_to_proto(taken: int) -> target_pb2.DecodeMessage:
+    return target_pb2.DecodeMessage(taken=taken)
 
 
 def verify_to_proto(request: VerifyRequest) -> target_pb2.VerifyRequest:

@@ -54,6 +54,7 @@ class RoundObservation:
     target_shared: bool = False  # other sessions' verifications shared the target's pass: verify_s timed theirs too
     batch_size: int = 1  # sessions in the target's pass
     pass_rows: int = 0  # positions that pass fed, every session's: what verify_s paid for (0: not reported)
+    streamed: bool = False  # a plain step of a Decode stream: no RPC of its own, so rtt_s says nothing
 
 
 @dataclass(frozen=True)

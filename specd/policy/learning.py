@@ -30,7 +30,7 @@ def learn(
             batched = learn_verify(batched, obs.batch_size, step, w)
         else:
             draft_step = step if draft_step is None else _ewma(draft_step, step, w)
-    rtt = obs.rtt_s if est.observations == 0 else _ewma(est.rtt_s, obs.rtt_s, w)
+    rtt = est.rtt_s if obs.streamed else obs.rtt_s if est.observations == 0 else _ewma(est.rtt_s, obs.rtt_s, w)
     est = learn_pass(est, obs, w, target_cold)
     return replace(est, alpha=alpha, draft_step_s=draft_step, draft_batched=batched, rtt_s=rtt,
                    observations=est.observations + 1, accepted_count=accepted_count, tested_count=tested_count,

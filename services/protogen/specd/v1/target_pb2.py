@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from services.protogen.specd.v1 import common_pb2 as specd_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15specd/v1/target.proto\x12\x08specd.v1\x1a\x15specd/v1/common.proto\"\xb8\x01\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12!\n\x04sync\x18\x02 \x01(\x0b\x32\x13.specd.v1.SyncPoint\x12\x14\n\x0c\x64raft_tokens\x18\x03 \x03(\r\x12\x1f\n\x01q\x18\x04 \x03(\x0b\x32\x14.specd.v1.SparseDist\x12*\n\x08sampling\x18\x05 \x01(\x0b\x32\x18.specd.v1.SamplingParamsJ\x04\x08\x06\x10\x07R\x07sibling\"p\n\x0bStepRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12!\n\x04sync\x18\x02 \x01(\x0b\x32\x13.specd.v1.SyncPoint\x12*\n\x08sampling\x18\x03 \x01(\x0b\x32\x18.specd.v1.SamplingParams\"\xc2\x01\n\x0eVerifyResponse\x12\x14\n\x0cnum_accepted\x18\x01 \x01(\r\x12\x12\n\nnext_token\x18\x02 \x01(\r\x12\x10\n\x08position\x18\x03 \x01(\r\x12\x13\n\x0binstance_id\x18\x04 \x01(\t\x12\x11\n\tcompute_s\x18\x05 \x01(\x01\x12\x10\n\x08queued_s\x18\x06 \x01(\x01\x12\x12\n\nbatch_size\x18\x07 \x01(\r\x12\x11\n\tpass_rows\x18\t \x01(\rJ\x04\x08\x08\x10\tR\rafter_sibling2\xf5\x02\n\rTargetService\x12;\n\x06Verify\x12\x17.specd.v1.VerifyRequest\x1a\x18.specd.v1.VerifyResponse\x12\x37\n\x04Step\x12\x15.specd.v1.StepRequest\x1a\x18.specd.v1.VerifyResponse\x12\x39\n\nGetSession\x12\x14.specd.v1.SessionRef\x1a\x15.specd.v1.SessionInfo\x12\x36\n\x07Release\x12\x14.specd.v1.SessionRef\x1a\x15.specd.v1.SessionInfo\x12\x42\n\rGetEngineInfo\x12\x1b.specd.v1.EngineInfoRequest\x1a\x14.specd.v1.EngineInfo\x12\x37\n\x07GetLoad\x12\x15.specd.v1.LoadRequest\x1a\x15.specd.v1.ReplicaLoadb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15specd/v1/target.proto\x12\x08specd.v1\x1a\x15specd/v1/common.proto\"\xb8\x01\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12!\n\x04sync\x18\x02 \x01(\x0b\x32\x13.specd.v1.SyncPoint\x12\x14\n\x0c\x64raft_tokens\x18\x03 \x03(\r\x12\x1f\n\x01q\x18\x04 \x03(\x0b\x32\x14.specd.v1.SparseDist\x12*\n\x08sampling\x18\x05 \x01(\x0b\x32\x18.specd.v1.SamplingParamsJ\x04\x08\x06\x10\x07R\x07sibling\"p\n\x0bStepRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12!\n\x04sync\x18\x02 \x01(\x0b\x32\x13.specd.v1.SyncPoint\x12*\n\x08sampling\x18\x03 \x01(\x0b\x32\x18.specd.v1.SamplingParams\"P\n\rDecodeMessage\x12&\n\x05start\x18\x01 \x01(\x0b\x32\x15.specd.v1.DecodeStartH\x00\x12\x0f\n\x05taken\x18\x02 \x01(\rH\x00\x42\x06\n\x04kind\"E\n\x0b\x44\x65\x63odeStart\x12#\n\x04step\x18\x01 \x01(\x0b\x32\x15.specd.v1.StepRequest\x12\x11\n\tmax_steps\x18\x02 \x01(\r\"\xc2\x01\n\x0eVerifyResponse\x12\x14\n\x0cnum_accepted\x18\x01 \x01(\r\x12\x12\n\nnext_token\x18\x02 \x01(\r\x12\x10\n\x08position\x18\x03 \x01(\r\x12\x13\n\x0binstance_id\x18\x04 \x01(\t\x12\x11\n\tcompute_s\x18\x05 \x01(\x01\x12\x10\n\x08queued_s\x18\x06 \x01(\x01\x12\x12\n\nbatch_size\x18\x07 \x01(\r\x12\x11\n\tpass_rows\x18\t \x01(\rJ\x04\x08\x08\x10\tR\rafter_sibling2\xb6\x03\n\rTargetService\x12;\n\x06Verify\x12\x17.specd.v1.VerifyRequest\x1a\x18.specd.v1.VerifyResponse\x12\x37\n\x04Step\x12\x15.specd.v1.StepRequest\x1a\x18.specd.v1.VerifyResponse\x12?\n\x06\x44\x65\x63ode\x12\x17.specd.v1.DecodeMessage\x1a\x18.specd.v1.VerifyResponse(\x01\x30\x01\x12\x39\n\nGetSession\x12\x14.specd.v1.SessionRef\x1a\x15.specd.v1.SessionInfo\x12\x36\n\x07Release\x12\x14.specd.v1.SessionRef\x1a\x15.specd.v1.SessionInfo\x12\x42\n\rGetEngineInfo\x12\x1b.specd.v1.EngineInfoRequest\x1a\x14.specd.v1.EngineInfo\x12\x37\n\x07GetLoad\x12\x15.specd.v1.LoadRequest\x1a\x15.specd.v1.ReplicaLoadb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,8 +36,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_VERIFYREQUEST']._serialized_end=243
   _globals['_STEPREQUEST']._serialized_start=245
   _globals['_STEPREQUEST']._serialized_end=357
-  _globals['_VERIFYRESPONSE']._serialized_start=360
-  _globals['_VERIFYRESPONSE']._serialized_end=554
-  _globals['_TARGETSERVICE']._serialized_start=557
-  _globals['_TARGETSERVICE']._serialized_end=930
+  _globals['_DECODEMESSAGE']._serialized_start=359
+  _globals['_DECODEMESSAGE']._serialized_end=439
+  _globals['_DECODESTART']._serialized_start=441
+  _globals['_DECODESTART']._serialized_end=510
+  _globals['_VERIFYRESPONSE']._serialized_start=513
+  _globals['_VERIFYRESPONSE']._serialized_end=707
+  _globals['_TARGETSERVICE']._serialized_start=710
+  _globals['_TARGETSERVICE']._serialized_end=1148
 # @@protoc_insertion_point(module_scope)

@@ -31,6 +31,22 @@ class StepRequest(_message.Message):
     sampling: _common_pb2.SamplingParams
     def __init__(self, session_id: _Optional[str] = ..., sync: _Optional[_Union[_common_pb2.SyncPoint, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
 
+class DecodeMessage(_message.Message):
+    __slots__ = ("start", "taken")
+    START_FIELD_NUMBER: _ClassVar[int]
+    TAKEN_FIELD_NUMBER: _ClassVar[int]
+    start: DecodeStart
+    taken: int
+    def __init__(self, start: _Optional[_Union[DecodeStart, _Mapping]] = ..., taken: _Optional[int] = ...) -> None: ...
+
+class DecodeStart(_message.Message):
+    __slots__ = ("step", "max_steps")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    MAX_STEPS_FIELD_NUMBER: _ClassVar[int]
+    step: StepRequest
+    max_steps: int
+    def __init__(self, step: _Optional[_Union[StepRequest, _Mapping]] = ..., max_steps: _Optional[int] = ...) -> None: ...
+
 class VerifyResponse(_message.Message):
     __slots__ = ("num_accepted", "next_token", "position", "instance_id", "compute_s", "queued_s", "batch_size", "pass_rows")
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]

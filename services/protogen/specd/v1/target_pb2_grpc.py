@@ -46,6 +46,11 @@ class TargetServiceStub:
                 request_serializer=specd_dot_v1_dot_target__pb2.StepRequest.SerializeToString,
                 response_deserializer=specd_dot_v1_dot_target__pb2.VerifyResponse.FromString,
                 _registered_method=True)
+        self.Decode = channel.stream_stream(
+                '/specd.v1.TargetService/Decode',
+                request_serializer=specd_dot_v1_dot_target__pb2.DecodeMessage.SerializeToString,
+                response_deserializer=specd_dot_v1_dot_target__pb2.VerifyResponse.FromString,
+                _registered_method=True)
         self.GetSession = channel.unary_unary(
                 '/specd.v1.TargetService/GetSession',
                 request_serializer=specd_dot_v1_dot_common__pb2.SessionRef.SerializeToString,
@@ -81,6 +86,15 @@ class TargetServiceServicer:
 
     def Step(self, request, context):
         """One plain decoding step (no draft): used when speculation does not pay.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Decode(self, request_iterator, context):
+        """Plain steps back to back, each streamed as it is decided: the target runs the next step while the
+        coordinator handles the last. The first message starts it; closing the request side stops it after
+        the step in flight.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -123,6 +137,11 @@ def add_TargetServiceServicer_to_server(servicer, server):
             'Step': grpc.unary_unary_rpc_method_handler(
                     servicer.Step,
                     request_deserializer=specd_dot_v1_dot_target__pb2.StepRequest.FromString,
+                    response_serializer=specd_dot_v1_dot_target__pb2.VerifyResponse.SerializeToString,
+            ),
+            'Decode': grpc.stream_stream_rpc_method_handler(
+                    servicer.Decode,
+                    request_deserializer=specd_dot_v1_dot_target__pb2.DecodeMessage.FromString,
                     response_serializer=specd_dot_v1_dot_target__pb2.VerifyResponse.SerializeToString,
             ),
             'GetSession': grpc.unary_unary_rpc_method_handler(
@@ -200,6 +219,33 @@ class TargetService:
             target,
             '/specd.v1.TargetService/Step',
             specd_dot_v1_dot_target__pb2.StepRequest.SerializeToString,
+            specd_dot_v1_dot_target__pb2.VerifyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Decode(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/specd.v1.TargetService/Decode',
+            specd_dot_v1_dot_target__pb2.DecodeMessage.SerializeToString,
             specd_dot_v1_dot_target__pb2.VerifyResponse.FromString,
             options,
             channel_credentials,
