@@ -11,7 +11,8 @@ import pytest
 from specd.contracts import SamplingParams
 from specd.loop import Chunk, Finished, GenerationRequest, RoundRecord, Services, generate, one_round
 from specd.model_free import SuffixDrafter
-from specd.policy import PLAIN, PolicyState, hybrid
+from specd.policy import PLAIN, Estimates, PolicyConfig, PolicyState, RoundObservation, hybrid, observe
+from specd.policy.cost import plain_time, predicted_speedup
 from specd.stopping import StopRules
 from tests.fakes import FakeDecoder, FakeDrafter, FakeStore, FakeVerifier, draft_rule, target_alone, target_rule
 
@@ -120,15 +121,26 @@ def test_calibrations_single_round_never_streams():
     assert decoder.opened == 0 and verifier.calls == 1
 
 
-def test_streamed_steps_teach_the_pass_time_not_the_rtt():
-    from specd.policy import Estimates, PolicyConfig, RoundObservation, observe
+def test_streamed_steps_teach_the_pass_and_the_streams_gap_not_the_rtt():
     state = PolicyState(mode=PLAIN, estimates=Estimates(verify_s=((0, 0.03),), rtt_s=0.002, observations=5),
                         plain_rounds_until_probe=8)
-    streamed = RoundObservation(k=0, accepted=0, draft_s=0.0, verify_s=0.05, rtt_s=0.0, streamed=True)
-    after = observe(state, streamed, PolicyConfig())
-    assert after.estimates.rtt_s == 0.002 and dict(after.estimates.verify_s)[0] > 0.03
-    called = observe(state, replace(streamed, streamed=False), PolicyConfig())
-    assert called.estimates.rtt_s < 0.002
+    streamed = RoundObservation(k=0, accepted=0, draft_s=0.0, verify_s=0.05, rtt_s=0.0005, streamed=True)
+    after = observe(state, streamed, PolicyConfig()).estimates
+    assert after.rtt_s == 0.002 and after.stream_s == 0.0005 and dict(after.verify_s)[0] > 0.03
+    called = observe(state, replace(streamed, streamed=False), PolicyConfig()).estimates
+    assert called.rtt_s < 0.002 and called.stream_s is None
+
+
+def test_where_plain_steps_stream_a_plain_token_is_priced_at_the_streams_gap():
+    """T(0) is a Step call's pass and RTT until a streamed step was timed, then the pass and the
+    stream's gap: a speedup over plain is over the plain decoding the deployment does."""
+    called = Estimates(alpha=0.6, draft_step_s=0.015, verify_s=tuple((k, 0.03 + 0.004 * k) for k in range(9)),
+                       rtt_s=0.003, observations=20)
+    streaming = replace(called, stream_s=0.0005)
+    assert plain_time(called) == pytest.approx(0.033) and plain_time(streaming) == pytest.approx(0.0305)
+    for k in (1, 4, 8):
+        ratio = predicted_speedup(streaming, k) / predicted_speedup(called, k)
+        assert ratio == pytest.approx(0.0305 / 0.033)
 
 
 # -- the real target service on loopback -------------------------------------------------------------

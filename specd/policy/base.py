@@ -65,6 +65,7 @@ class Estimates:
     # pass of R positions counts as K = R - 1 (specd/policy/cost.py prices a round by the pass it joins)
     verify_s: tuple[tuple[int, float], ...] = ()
     rtt_s: float = 0.0  # per RPC: wall time minus service compute
+    stream_s: float | None = None  # a streamed plain step's wall beyond its pass (None: none streamed yet)
     observations: int = 0
     accepted_count: float = 0.0  # decayed count of accepted drafts; alpha = accepted_count / tested_count
     tested_count: float = 0.0  # decayed count of drafts the target judged (accepted + 1 unless all passed)

@@ -72,12 +72,17 @@ def is_measured(est: Estimates) -> bool:
 
 
 def predicted_speedup(est: Estimates, k: int) -> float:
-    """S(K) of docs/policy.md: plain rounds per second of speculative work. Needs
+    """S(K) of docs/policy.md: plain tokens per second of speculative work. Needs
     `is_measured(est)`."""
-    plain_s = verify_time(est, 0)
-    if est.draft_step_s is None or plain_s is None:
+    if est.draft_step_s is None or verify_time(est, 0) is None:
         raise ValueError("predicted_speedup needs the draft step and a verify time measured")
-    return expected_tokens(est.alpha, k) * (plain_s + est.rtt_s) / round_time(est, k)
+    return expected_tokens(est.alpha, k) * plain_time(est) / round_time(est, k)
+
+
+def plain_time(est: Estimates) -> float:
+    """T(0): a plain token. A Step call's pass and RPC, or where plain stretches stream (the target
+    running the next step while the last one's reply travels) the pass and a streamed step's gap."""
+    return verify_time(est, 0) + (est.rtt_s if est.stream_s is None else est.stream_s)
 
 
 def round_time(est: Estimates, k: int) -> float:
@@ -119,8 +124,7 @@ def could_pay(est: Estimates, config: PolicyConfig, bar: float) -> bool:
     True while the timings are not measured."""
     if not is_measured(est):
         return True
-    plain_s = verify_time(est, 0) + est.rtt_s
-    return any((k + 1) * plain_s / round_time(est, k) > bar for k in range(1, config.max_k + 1))
+    return any((k + 1) * plain_time(est) / round_time(est, k) > bar for k in range(1, config.max_k + 1))
 
 
 def should_fall_back(est: Estimates, config: PolicyConfig) -> bool:
@@ -152,7 +156,7 @@ def _hopeless(est: Estimates, config: PolicyConfig) -> bool:
 
     def free_speedup(k: int) -> float:
         round_s = k * draft_step(est) + plain_s + 2 * est.rtt_s
-        return expected_tokens(est.alpha, k) * (plain_s + est.rtt_s) / round_s
+        return expected_tokens(est.alpha, k) * plain_time(est) / round_s
 
     return max(free_speedup(k) for k in range(1, config.max_k + 1)) < config.off_below
 
@@ -166,13 +170,12 @@ def explore_k(est: Estimates, config: PolicyConfig, k: int, speedup: float) -> i
     if not config.adaptive or math.isnan(speedup) or batch_sessions(est) > 1:  # a shared pass: its rows are the table's
         return k
     points = dict(est.verify_s)
-    plain_s = verify_time(est, 0)
 
     def optimistic(candidate: int) -> float:
         below = [km for km in points if km < candidate]
         below_s = points[max(below)] if below else verify_time(est, candidate)
         round_s = candidate * draft_step(est) + below_s + 2 * est.rtt_s
-        return expected_tokens(est.alpha, candidate) * (plain_s + est.rtt_s) / round_s
+        return expected_tokens(est.alpha, candidate) * plain_time(est) / round_s
 
     unmeasured = [c for c in range(k + 1, config.max_k + 1) if c not in points]
     best = max(unmeasured, key=optimistic, default=None)

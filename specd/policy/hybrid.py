@@ -1,7 +1,7 @@
 """Which drafter a round uses: the model-free draft at hand, the draft model at the policy's K, or
 none, by the tokens per second each is predicted to commit (docs/policy.md).
 
-Rates, with T(0) = verify(0) + rtt the plain step:
+Rates, with T(0) the plain token (cost.plain_time: a Step call, or a step of a streamed plain stretch):
 - none: 1 / T(0)
 - the draft model at K: S(K) / T(0) (S from specd/policy/cost.py)
 - a model-free draft's first m tokens: (1 + E_m) / (verify(m) + rtt), one RPC (it costs no draft
@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from specd.policy.base import PLAIN, Estimates, PolicyConfig, PolicyState, RoundObservation
-from specd.policy.cost import batch_sessions, expected_tokens, grown, is_measured, round_time, verify_time
+from specd.policy.cost import batch_sessions, expected_tokens, grown, is_measured, plain_time, round_time, verify_time
 from specd.policy.learning import learn_pass
 
 AUTO, MODEL, FREE, NONE = "auto", "model", "ngram", "none"
@@ -37,8 +37,8 @@ def free_choice(est: Estimates, scores: Sequence[float]) -> tuple[int, float]:
     if not scores or not is_measured(est):
         m = len(scores) if free_expected(est, scores, len(scores)) >= UNMEASURED_MIN_EXPECTED else 0
         return m, math.nan
-    rates = [(m, (1 + free_expected(est, scores, m)) / (verify_time(est, m) + est.rtt_s))
-             for m in range(len(scores) + 1)]
+    rates = [(0, 1 / plain_time(est))] + [(m, (1 + free_expected(est, scores, m)) / (verify_time(est, m) + est.rtt_s))
+                                          for m in range(1, len(scores) + 1)]
     return max(rates, key=lambda mr: (mr[1], -mr[0]))
 
 
@@ -58,7 +58,7 @@ def choose(drafter: str, est: Estimates, config: PolicyConfig, k: int, scores: S
     if drafter == FREE:
         return (FREE, m) if m > 0 else (NONE, 0)
     rate = model_rate(est, k, lag, remaining) if k > 0 and is_measured(est) else math.nan
-    if lag > CAUGHT_UP and not math.isnan(rate) and rate < 1 / (verify_time(est, 0) + est.rtt_s):
+    if lag > CAUGHT_UP and not math.isnan(rate) and rate < 1 / plain_time(est):
         k = 0  # the draft model's catch-up does not pay back in what is left of this request
     if m == 0:  # auto, and no model-free draft pays
         return (MODEL, k) if k > 0 else (NONE, 0)

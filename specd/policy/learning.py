@@ -30,9 +30,13 @@ def learn(
             batched = learn_verify(batched, obs.batch_size, step, w)
         else:
             draft_step = step if draft_step is None else _ewma(draft_step, step, w)
-    rtt = est.rtt_s if obs.streamed else obs.rtt_s if est.observations == 0 else _ewma(est.rtt_s, obs.rtt_s, w)
+    rtt, stream = est.rtt_s, est.stream_s
+    if obs.streamed:  # no call of its own: what a plain token costs beyond its pass where stretches stream
+        stream = obs.rtt_s if stream is None else _ewma(stream, obs.rtt_s, w)
+    else:
+        rtt = obs.rtt_s if est.observations == 0 else _ewma(est.rtt_s, obs.rtt_s, w)
     est = learn_pass(est, obs, w, target_cold)
-    return replace(est, alpha=alpha, draft_step_s=draft_step, draft_batched=batched, rtt_s=rtt,
+    return replace(est, alpha=alpha, draft_step_s=draft_step, draft_batched=batched, rtt_s=rtt, stream_s=stream,
                    observations=est.observations + 1, accepted_count=accepted_count, tested_count=tested_count,
                    judged=est.judged + judged)
 
