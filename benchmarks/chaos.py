@@ -193,7 +193,7 @@ def _client(index: int, address: str, model, tally: Tally, stop: threading.Event
         for _ in range(TURNS_PER_SESSION):
             ids = model.encode(rng.choice(TEXTS))
             while not stop.is_set():  # a turn not applied at all is sent again
-                outcome = _turn(stub, session, history, ids, tally)
+                outcome = _turn(stub, session, history, ids, tally, plain=index % 2 == 1)
                 if outcome != "again":
                     break
             if outcome in ("again", "broken") or stop.is_set():
@@ -205,10 +205,11 @@ def _client(index: int, address: str, model, tally: Tally, stop: threading.Event
     channel.close()
 
 
-def _turn(stub, session: str, history: list[int], ids: list[int], tally: Tally) -> str:
-    """One turn: "done", "again" (nothing committed: send it again) or "broken" (inconsistent)."""
+def _turn(stub, session: str, history: list[int], ids: list[int], tally: Tally, plain: bool) -> str:
+    """One turn: "done", "again" (nothing committed: send it again) or "broken" (inconsistent).
+    `plain`: speculation off, so the turn's steps come from one stream of the target's (`Decode`)."""
     request = coordinator_pb2.GenerateRequest(token_ids=coordinator_pb2.TokenIds(ids=ids), max_tokens=TOKENS_PER_TURN,
-                                              session_id=session, ignore_eos=True)
+                                              session_id=session, ignore_eos=True, **({"speculation": False} if plain else {}))
     streamed: list[int] = []
     with tally.lock:
         tally.turns += 1
