@@ -6,15 +6,21 @@ from __future__ import annotations
 import asyncio
 from dataclasses import replace
 
+import grpc
 import pytest
 
-from specd.contracts import SamplingParams
-from specd.loop import Chunk, Finished, GenerationRequest, RoundRecord, Services, generate, one_round
+from specd.contracts import DecodeRequest, Proposal, SamplingParams, StaleSession, SyncPoint, VerifyRequest
+from specd.loop import GenerationRequest, RoundRecord, Services, generate, one_round
 from specd.model_free import SuffixDrafter
 from specd.policy import PLAIN, Estimates, PolicyConfig, PolicyState, RoundObservation, hybrid, observe
 from specd.policy.cost import plain_time, predicted_speedup
 from specd.stopping import StopRules
-from tests.fakes import FakeDecoder, FakeDrafter, FakeStore, FakeVerifier, draft_rule, target_alone, target_rule
+from services.protogen.specd.v1 import coordinator_pb2, target_pb2, target_pb2_grpc
+from services.target import convert
+from services.target.client import GrpcVerifier
+from tests.cluster import Cluster
+from tests.fakes import FakeDecoder, FakeDrafter, FakeStore, FakeVerifier, draft_rule, target_rule
+from tests.fakes import target_alone as scripted_alone  # the scripted target; `target_alone` is the tiny model fixture
 
 PROMPT = (3, 1, 4, 1, 5)
 
@@ -42,7 +48,7 @@ def test_speculation_off_streams_its_steps_in_one_call():
     verifier = FakeVerifier(target_rule)
     decoder = FakeDecoder(verifier)
     done = run(plain(20), verifier, decoder)[-1]
-    assert list(done.token_ids) == target_alone(PROMPT, 20)
+    assert list(done.token_ids) == scripted_alone(PROMPT, 20)
     assert (decoder.opened, decoder.steps, verifier.calls) == (1, 20, 20)
     assert done.stats.rounds == 20
 
@@ -50,12 +56,12 @@ def test_speculation_off_streams_its_steps_in_one_call():
 def test_without_a_decoder_each_plain_token_is_a_step_call():
     verifier = FakeVerifier(target_rule)
     done = run(plain(20), verifier, None)[-1]
-    assert list(done.token_ids) == target_alone(PROMPT, 20) and verifier.calls == 20
+    assert list(done.token_ids) == scripted_alone(PROMPT, 20) and verifier.calls == 20
 
 
 def test_a_stop_ends_the_stream_after_at_most_the_step_in_flight():
     """EOS at the 7th token: the target ran at most one step past it, and the turn closed the stream."""
-    expected = target_alone(PROMPT, 30)
+    expected = scripted_alone(PROMPT, 30)
     eos = expected[6]
     verifier = FakeVerifier(target_rule)
     decoder = FakeDecoder(verifier)
@@ -81,7 +87,7 @@ def test_a_model_free_draft_stops_the_stream_and_takes_the_step_in_flight():
     records: list[RoundRecord] = []
     done = run(plain(60, drafter=hybrid.AUTO, prompt=LONG_PROMPT, fixed_k=None), verifier, decoder,
                model_free=SuffixDrafter(), records=records)[-1]
-    assert list(done.token_ids) == target_alone(LONG_PROMPT, 60, repeating)
+    assert list(done.token_ids) == scripted_alone(LONG_PROMPT, 60, repeating)
     free = [r for r in records if r.drafter == hybrid.FREE]
     plain_rounds = [r for r in records if r.drafter == hybrid.NONE]
     assert free and decoder.opened >= 1
@@ -94,7 +100,7 @@ def test_a_stream_that_fails_midway_goes_on_with_step_calls():
     verifier = FakeVerifier(target_rule)
     decoder = FakeDecoder(verifier, fail_after=5)
     done = run(plain(20), verifier, decoder)[-1]
-    assert list(done.token_ids) == target_alone(PROMPT, 20)
+    assert list(done.token_ids) == scripted_alone(PROMPT, 20)
     assert decoder.steps >= 5 and verifier.calls == 20
 
 
@@ -106,7 +112,7 @@ def test_plain_mode_streams_and_a_probe_stops_the_stream():
     store = FakeStore(learned=PolicyState(mode=PLAIN, probe_interval=16))
     records: list[RoundRecord] = []
     done = run(plain(40, fixed_k=None), verifier, decoder, drafter=drafter, store=store, records=records)[-1]
-    assert list(done.token_ids) == target_alone(PROMPT, 40)
+    assert list(done.token_ids) == scripted_alone(PROMPT, 40)
     assert decoder.opened >= 1 and drafter.calls >= 1
     plain_rounds = [r for r in records if r.k == 0]
     assert decoder.steps <= len(plain_rounds) + 1  # at most the step in flight at the end of the turn
@@ -144,14 +150,6 @@ def test_where_plain_steps_stream_a_plain_token_is_priced_at_the_streams_gap():
 
 
 # -- the real target service on loopback -------------------------------------------------------------
-
-import grpc  # noqa: E402
-
-from specd.contracts import DecodeRequest, Proposal, StaleSession, SyncPoint, VerifyRequest  # noqa: E402
-from services.protogen.specd.v1 import coordinator_pb2, target_pb2, target_pb2_grpc  # noqa: E402
-from services.target import convert  # noqa: E402
-from services.target.client import GrpcVerifier  # noqa: E402
-from tests.cluster import Cluster  # noqa: E402
 
 IDS = [9, 41, 7, 200, 12, 5]
 
@@ -267,7 +265,7 @@ def test_a_stale_stream_start_is_a_stale_session_for_the_loop(cluster):
         cluster._run(start())
 
 
-def test_plain_requests_through_the_coordinator_stream_their_steps(cluster, target_alone, model, monkeypatch):
+def test_plain_requests_through_the_coordinator_stream_their_steps(cluster, target_alone, monkeypatch):
     """speculation off: one Decode stream for the whole completion, and the target alone's tokens."""
     streams = []
     decode = cluster.target.decode
