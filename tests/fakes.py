@@ -140,7 +140,7 @@ class FakeDecoder:
     async def decode(self, request: DecodeRequest) -> "FakeSteps":
         request.validate()
         self.opened += 1
-        stream = FakeSteps(self, request, request.max_steps)
+        stream = FakeSteps(self, request)
         stream.first = await stream.step(request.step)
         stream.run_ahead(stream.first)
         return stream
@@ -150,20 +150,19 @@ class FakeDecoder:
 class FakeSteps:
     decoder: FakeDecoder
     request: DecodeRequest
-    left: int
     first: VerifyReply | None = None
     stopped: bool = False
     ahead: asyncio.Future | None = None
     ran: int = 0
 
     async def step(self, request: VerifyRequest) -> VerifyReply:
-        self.left, self.ran = self.left - 1, self.ran + 1
+        self.ran += 1
         self.decoder.steps += 1
         return await self.decoder.verifier.verify(request)
 
     def run_ahead(self, reply: VerifyReply) -> None:
         failed = self.decoder.fail_after is not None and self.ran >= self.decoder.fail_after
-        if self.left <= 0 or self.stopped or failed:
+        if self.ran >= self.request.max_steps or self.stopped or failed:
             self.ahead = None
             return
         sync = SyncPoint(reply.position, (), reply.instance_id)
