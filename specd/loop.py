@@ -44,6 +44,9 @@ from specd.stopping import Decode, StopChecker, StopRules
 from specd.validation import validate_that
 
 EMPTY_PROPOSAL = Proposal((), ())
+# A speculating turn's UNDRAFTED_RUN-th round in a row without a draft opens a stream of plain steps, as
+# plain mode does: under load (a draft model whose catch-up does not pay, no copy to draft from) every round may.
+UNDRAFTED_RUN = 2
 T = TypeVar("T")
 tracer = trace.get_tracer(__name__)  # the vendor-neutral API: a no-op until a service installs a provider
 
@@ -106,6 +109,7 @@ class _Stretch:
     allowed: bool = True
     steps: PlainSteps | None = None
     last: float = 0.0  # when its last reply came: a streamed step's wall is from there
+    undrafted: int = 0  # rounds in a row that chose no draft
 
     def close(self) -> None:
         if self.steps is not None:
@@ -269,6 +273,7 @@ async def _run_round(turn: _Turn, progress: _Progress) -> RoundResult:
         # 1. draft: from the tokens at hand, by the draft model, or not at all
         free = _free_draft(turn, state, min(request.policy.max_k, remaining - 1))
         source, k = _drafter(request, state, k, free, _model_drafts(turn, progress), remaining)
+        turn.stretch.undrafted = turn.stretch.undrafted + 1 if source == hybrid.NONE else 0
         drafting, outage, proposal = None, False, EMPTY_PROPOSAL
         # a stretch's step in flight is this round's, whatever it chose (the next round chooses again)
         streamed = await _streamed_step(turn.stretch, plain=source == hybrid.NONE)
@@ -518,13 +523,15 @@ async def _call(cursor: ServiceCursor, committed: Sequence[int], call: Callable[
 
 def _stretch_steps(turn: _Turn, state: SessionState, remaining: int) -> int:
     """Plain steps to stream from this plain round on (0: one Step): when the turn decodes plainly
-    for a while (speculation off, plain mode between probes, or no draft model), up to what the
+    for a while (speculation off, plain mode between probes, no draft model, or rounds that keep
+    choosing no draft), up to what the
     request may still make; each round's own choice stops the stream when it would draft."""
     request, services = turn.request, turn.services
     if not turn.stretch.allowed or services.decoder is None or remaining < 2:
         return 0
     pinned_plain = request.fixed_k == 0 or request.drafter == hybrid.NONE
-    adaptive_plain = request.fixed_k is None and (state.policy.mode == PLAIN or services.drafter is None)
+    adaptive_plain = request.fixed_k is None and (
+        state.policy.mode == PLAIN or services.drafter is None or turn.stretch.undrafted >= UNDRAFTED_RUN)
     return remaining if pinned_plain or adaptive_plain else 0
 
 

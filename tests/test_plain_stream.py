@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from specd.contracts import DecodeRequest, Proposal, SamplingParams, StaleSession, SyncPoint, VerifyRequest
-from specd.loop import GenerationRequest, RoundRecord, Services, generate, one_round
+from specd.loop import UNDRAFTED_RUN, GenerationRequest, RoundRecord, Services, generate, one_round
 from specd.model_free import SuffixDrafter
 from specd.policy import PLAIN, Estimates, PolicyConfig, PolicyState, RoundObservation, hybrid, observe
 from specd.policy.cost import plain_time, predicted_speedup
@@ -93,6 +93,20 @@ def test_a_model_free_draft_stops_the_stream_and_takes_the_step_in_flight():
     assert free and decoder.opened >= 1
     assert decoder.steps == len(plain_rounds)  # no step run ahead went to waste
     assert verifier.calls == decoder.steps + len(free)
+
+
+def test_speculating_rounds_that_keep_choosing_no_draft_stream_their_steps():
+    """Speculation on, but nothing to draft (the model-free drafter alone, and the text never repeats;
+    under load, a draft model whose catch-up does not pay): the UNDRAFTED_RUN-th such round in a row
+    opens a stream, as plain mode does, rather than a Step call a token."""
+    fresh = lambda prefix: 100 + len(prefix)  # every token new: no copy to draft
+    verifier = FakeVerifier(fresh)
+    decoder = FakeDecoder(verifier)
+    done = run(plain(30, drafter=hybrid.FREE, fixed_k=None), verifier, decoder, drafter=FakeDrafter(fresh),
+               model_free=SuffixDrafter())[-1]
+    assert list(done.token_ids) == scripted_alone(PROMPT, 30, fresh)
+    assert decoder.opened == 1 and verifier.calls - decoder.steps == UNDRAFTED_RUN - 1
+    assert decoder.steps == 30 - (UNDRAFTED_RUN - 1)
 
 
 def test_a_stream_that_fails_midway_goes_on_with_step_calls():
