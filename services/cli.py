@@ -68,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help=f"{role} service processes (replica i on the {role} ports + {REPLICA_STRIDE}·i)"
                           + ("; 0: no draft model, the coordinator drafts from the tokens at hand alone" * (role == "draft")))
     settings.add(up, "--draft-threads", type=int, help="torch threads of the draft service")
+    settings.add(up, "--draft-head-vocab", type=int, help="a GGUF draft's output layer scores only the first this "
+                 "many token ids and the special ones (0: every id; default: the draft service's)")
     _add_quantize(up)
     settings.add(up, "--draft-max-batch", type=int, default=DEFAULT_MAX_BATCH,
                  help="proposals that queued while the draft was busy share its drafting steps, up to this many")

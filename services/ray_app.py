@@ -12,7 +12,7 @@ HF model directory; the old names target_model_dir, draft_model_dir still work),
 draft_gpus / target_gpus (0), draft_replicas /
 target_replicas / gateway_replicas (1, or "auto" for autoscaling 1..max_replicas),
 max_replicas (4), draft_quantize / target_quantize (none; see services/common/settings.py), dtype (float32),
-api_keys_file, coordinator_flags (any flags of `python -m services.coordinator`, e.g.
+draft_head_vocab (a GGUF draft's output layer: the ids it scores, as the draft service's --head-vocab), api_keys_file, coordinator_flags (any flags of `python -m services.coordinator`, e.g.
 "--default-k 4 --max-k 8": the ingress is built by the same code, services/coordinator/root.py).
 
 Sessions: each call of a session goes to the model replica its id ranks first by rendezvous
@@ -199,7 +199,8 @@ def _report_start_up(task: asyncio.Task) -> None:
 REQUIRED_ARGS = ("target_model", "draft_model", "redis_url")
 OLD_NAMES = {"target_model_dir": "target_model", "draft_model_dir": "draft_model"}
 ARGS = frozenset({
-    *REQUIRED_ARGS, "device", "dtype", "draft_quantize", "target_quantize", "api_keys_file", "coordinator_flags",
+    *REQUIRED_ARGS, "device", "dtype", "draft_quantize", "target_quantize", "draft_head_vocab", "api_keys_file",
+    "coordinator_flags",
     "max_replicas",
     *(f"{role}_{what}" for role in ("draft", "target", "gateway") for what in ("cpus", "gpus", "replicas")),
 })
@@ -216,7 +217,8 @@ def build_app(args: dict[str, str]):
     device, dtype = args.get("device", "cpu"), args.get("dtype", "float32")
     draft_config, target_config = (
         EngineConfig(Path(args[f"{role}_model"]), device=device, dtype=dtype,
-                     quantize=settings.check_quantize(role, args.get(f"{role}_quantize", settings.SERVICE_QUANTIZE)))
+                     quantize=settings.check_quantize(role, args.get(f"{role}_quantize", settings.SERVICE_QUANTIZE)),
+                     head_vocab=int(args.get("draft_head_vocab", settings.DRAFT_HEAD_VOCAB)) if role == "draft" else 0)
         for role in ("draft", "target")
     )
     draft = DraftDeployment.options(**_scaling(args, "draft")).bind(draft_config)

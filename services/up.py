@@ -98,6 +98,8 @@ def commands(
             cmd = [*_model_service(args, role, paths[role], port), "--metrics-port", str(metrics_port)]
             if role == "draft":
                 cmd += ["--max-batch", str(args.draft_max_batch)]
+                if args.draft_head_vocab is not None:
+                    cmd += ["--head-vocab", str(args.draft_head_vocab)]
             if cores_lock:
                 cmd += ["--cores-lock", str(cores_lock)]
             if args.batch_wait is not None:

@@ -50,6 +50,7 @@ class EngineConfig:
     small_row_matmul: bool = True  # CPU: fast linears for decoding-sized inputs (packed weights, specd/kernels.py)
     quantize: str = "none"  # none | int8 (a draft's) | auto: the weights it runs (specd/numerics.py)
     fused_int8: bool = True  # int8: fused projections without module calls, same logits (specd/fused.py)
+    head_vocab: int = 0  # GGUF: the output layer scores the first this many ids and the special ones (0: all)
 
 
 class WrongThread(RuntimeError):
@@ -97,7 +98,7 @@ class ModelEngine:
                              "served as stored (quantize none or auto)")
         if torch.device(config.device).type != "cpu":
             raise ValueError("a GGUF file runs on the CPU decoder; serve a Hugging Face directory on other devices")
-        self._native = gguf_model.GGUFModel(config.model_dir)
+        self._native = gguf_model.GGUFModel(config.model_dir, head_vocab=config.head_vocab)
         self.numerics = numerics.check_native(self._native)
         self.hf_config = None
         self._new_cache = self._native.new_cache

@@ -14,6 +14,7 @@ compute it (see decoder.c), so a verification's rows equal plain steps bit for b
 from __future__ import annotations
 
 import ctypes
+import math
 import mmap
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,6 +27,7 @@ from specd.archs import HyperParams
 
 Linear = native.Linear
 is_gguf = gguf_meta.is_gguf
+SPECIAL_TOKEN_TYPES = (3, 4)  # llama.cpp's token types CONTROL and USER_DEFINED
 
 
 class _Layer(ctypes.Structure):
@@ -53,7 +55,10 @@ class _Row(ctypes.Structure):
 class GGUFModel:
     """The decoder of a GGUF file: `forward(caches, inputs, keep)` as `ragged.forward`."""
 
-    def __init__(self, path: Path | str, march: str | None = None):
+    def __init__(self, path: Path | str, march: str | None = None, head_vocab: int = 0):
+        """`head_vocab` > 0: the output layer scores only the first that many token ids and the special
+        ones (`head_ids`); the rest get -inf. A draft's option: a token it cannot propose is a rejection,
+        never a wrong output, and its step skips most of the vocabulary's rows."""
         self.path = Path(path)
         self.meta = gguf_meta.read(self.path)
         self._file = np.memmap(self.path, dtype=np.uint8, mode="r")  # the weights: read where they lie
@@ -68,9 +73,12 @@ class GGUFModel:
         self._march, self._packed = march, []  # the linears' repacked weights (quants.repack), kept alive here
         self._layers = (_Layer * self.hp.layers)(*(self._layer(i) for i in range(self.hp.layers)))
         embed = self._linear("token_embd.weight", pack=False)  # looked up by rows, as stored
-        out = self._linear("output.weight", optional=True) or self._pack(Linear(embed.data, embed.type, embed.N,
-                                                                                embed.K, embed.bias))  # tied
+        stored_out = self._tensor("output.weight", optional=True)  # None: tied to the embedding
+        out = self._linear("output.weight", optional=True, pack=False) or Linear(embed.data, embed.type, embed.N,
+                                                                                 embed.K, embed.bias)
         self.vocab_size = int(embed.N)
+        self.head_ids = head_ids(self.meta, self.vocab_size, head_vocab)  # None: every id
+        out = self._pack(out, stored_out) if self.head_ids is None else self._rows_of(out, self.head_ids, stored_out)
         hp = self.hp
         self._model = _Model(hp.layers, hp.hidden, hp.heads, hp.kv_heads, hp.head_dim, hp.intermediate,
                              int(out.N), hp.rope_dims, int(self.spec.rope_neox), int(self.spec.gelu), hp.eps,
@@ -145,6 +153,17 @@ class GGUFModel:
                 _drop_pages(self._file, stored.offset, stored.nbytes)
         return linear
 
+    def _rows_of(self, linear: Linear, ids: torch.Tensor, stored: gguf_meta.TensorInfo | None) -> Linear:
+        """The linear of only the output rows `ids`: their stored bytes gathered, then packed; the
+        file's pages of `stored` (an output layer of its own) then leave the process."""
+        row = quants.quant_type(linear.type).row_bytes(linear.K)
+        weight = np.frombuffer((ctypes.c_uint8 * (linear.N * row)).from_address(linear.data), np.uint8)
+        rows = np.ascontiguousarray(weight.reshape(linear.N, row)[ids.numpy()])
+        self._packed.append(rows)  # kept alive: the linear points into it
+        if stored is not None:
+            _drop_pages(self._file, stored.offset, stored.nbytes)
+        return self._pack(Linear(rows.ctypes.data, linear.type, len(ids), linear.K, None))
+
     def _layer(self, i: int) -> _Layer:
         t = lambda role: f"blk.{i}.{role}.weight"  # noqa: E731
         fused_qkv = t("attn_qkv") in self._tensors
@@ -215,7 +234,21 @@ class GGUFModel:
                                     torch.get_num_threads())
         for cache, past, x in zip(caches, pasts, inputs):
             cache.extend(past + len(x))
+        if self.head_ids is not None:  # the ids the head scored; every other id -inf
+            full = torch.full((len(kept), self.vocab_size), -math.inf)
+            logits = full.index_copy_(1, self.head_ids, logits)
         return list(logits.split(list(keep)))
+
+
+def head_ids(meta: gguf_meta.Metadata, vocab: int, head_vocab: int) -> torch.Tensor | None:
+    """The token ids a head of `head_vocab` scores (None: all): the first head_vocab ids, which a
+    BPE vocabulary orders by merge rank and a SentencePiece one by score (both frequency orders), and
+    every special id (control, user-defined, end of generation) wherever it sits."""
+    if head_vocab <= 0 or head_vocab >= vocab:
+        return None
+    types = meta.get("tokenizer.ggml.token_type") or []
+    special = {i for i, t in enumerate(types[:vocab]) if t in SPECIAL_TOKEN_TYPES} | gguf_meta.eog_ids(meta)
+    return torch.tensor(sorted(set(range(head_vocab)) | {i for i in special if i < vocab}), dtype=torch.int64)
 
 
 def _drop_pages(file: np.memmap, offset: int, nbytes: int) -> None:

@@ -49,6 +49,11 @@ def build_parser(role: str, default_port: int) -> argparse.ArgumentParser:
                  help="KV caches kept; idle ones are evicted LRU")
     settings.add(parser, "--quantize", default=settings.SERVICE_QUANTIZE, choices=settings.QUANTIZE_MODES,
                  help=QUANTIZE_HELP[role])
+    if role == "draft":
+        settings.add(parser, "--head-vocab", type=int, default=settings.DRAFT_HEAD_VOCAB,
+                     help="a GGUF draft's output layer scores only the first this many token ids (a BPE or "
+                          "SentencePiece vocabulary's most frequent) and the special ones: a shorter draft step; a "
+                          "token it cannot propose is a rejection, never a wrong output (0: every id)")
     settings.add(parser, "--metrics-port", type=int, default=0, help="serve Prometheus /metrics on this port (0: off)")
     settings.add(parser, "--tls-dir", type=Path,
                  help="mutual TLS: ca.pem, <role>.pem, <role>-key.pem (`specd certs`), read again for new connections "
@@ -80,6 +85,8 @@ def _checked(parser: argparse.ArgumentParser, role: str, args: argparse.Namespac
                                                                           "--tls-dir (`specd certs` makes a set)")):
             raise ValueError(why)
         Batching(args.max_batch, args.batch_wait).validate()
+        if getattr(args, "head_vocab", 0) < 0:
+            raise ValueError(f"--head-vocab must be >= 0, got {args.head_vocab}")
         settings.check_quantize(role, args.quantize)  # the environment's value too, which argparse does not check
     except ValueError as error:
         parser.error(str(error))
@@ -94,6 +101,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         threads=args.threads,
         max_sessions=args.max_sessions,
         quantize=args.quantize,
+        head_vocab=getattr(args, "head_vocab", 0),  # the target scores every id: its p is the output's
     )
 
 

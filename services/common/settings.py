@@ -44,6 +44,10 @@ def add_switch(parser: argparse.ArgumentParser, flag: str, *, help: str = "") ->
 # The weights a model service runs (specd/numerics.py's MODES; this module imports no torch):
 # every default in one place.
 QUANTIZE_MODES = ("none", "int8", "auto")
+# A GGUF draft's output layer scores the first this many token ids and the special ones (0: all): on the
+# Qwen pair's 151 936 ids a draft step 0.88x the time, and the draft's greedy agreement with the target
+# unchanged on the repo's prompts (benchmarks/results/head_vocab.json).
+DRAFT_HEAD_VOCAB = 98304
 NO_DRAFT = "none"  # the coordinator's --draft-addr for a deployment with no draft model
 SERVICE_QUANTIZE = "none"  # `python -m services.draft|target` and Ray's build_app: the checkpoint's weights
 # What `specd up` and `specd serve-ray` start each with: a GGUF file as stored, a Hugging Face
