@@ -268,6 +268,19 @@ def rows(results: Path) -> str:
     return head + table(["rows", *counts, "llama-server"], body)
 
 
+def head_vocab(results: Path) -> str:
+    run = load(results, "head_vocab")
+    sizes = list(run["step_s"])
+    full = run["step_s"]["0"]
+    body = [["draft step ms", *(f"{run['step_s'][n] * 1e3:.2f}" for n in sizes)],
+            ["÷ every id", *(f"{run['step_s'][n] / full:.2f}" for n in sizes)]]
+    body += [[f"agreement, `{name}`", *(f"{by_size[n]:.3f}" for n in sizes)] for name, by_size in run["agreement"].items()]
+    head = para(f"`results/head_vocab.json`: {run['draft']} ({run['vocab']} ids) drafting for {run['target']}, "
+                f"{run['machine']['cpu']}; agreement: the draft's greedy token is the target's, over the target's "
+                f"own {run['tokens']} greedy tokens of each prompt.") + "\n"
+    return head + table(["ids scored", *("every id" if n == "0" else n for n in sizes)], body)
+
+
 def chaos(results: Path, name: str = "chaos") -> str:
     run = load(results, name)
     config, kills = run["config"], run["kills"]
@@ -411,6 +424,7 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "load": load_block,
     "goals": goals,
     "rows": rows,
+    "head_vocab": head_vocab,
     "chaos": chaos,
     "chaos_real": lambda results: chaos(results, "chaos_real"),
     "abuse": abuse,

@@ -45,7 +45,7 @@ def add_switch(parser: argparse.ArgumentParser, flag: str, *, help: str = "") ->
 # every default in one place.
 QUANTIZE_MODES = ("none", "int8", "auto")
 # A GGUF draft's output layer scores the first this many token ids and the special ones (0: all): on the
-# Qwen pair's 151 936 ids a draft step 0.88x the time, and the draft's greedy agreement with the target
+# Qwen pair's 151 936 ids a draft step 0.89x the time, and the draft's greedy agreement with the target
 # unchanged on the repo's prompts (benchmarks/results/head_vocab.json).
 DRAFT_HEAD_VOCAB = 98304
 NO_DRAFT = "none"  # the coordinator's --draft-addr for a deployment with no draft model
