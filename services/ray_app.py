@@ -12,7 +12,8 @@ HF model directory; the old names target_model_dir, draft_model_dir still work),
 draft_gpus / target_gpus (0), draft_replicas /
 target_replicas / gateway_replicas (1, or "auto" for autoscaling 1..max_replicas),
 max_replicas (4), draft_quantize / target_quantize (none; see services/common/settings.py), dtype (float32),
-draft_head_vocab (a GGUF draft's output layer: the ids it scores, as the draft service's --head-vocab), api_keys_file, coordinator_flags (any flags of `python -m services.coordinator`, e.g.
+draft_head_vocab (a GGUF draft's output layer: the ids it scores, as the draft service's --head-vocab),
+api_keys_file, coordinator_flags (any flags of `python -m services.coordinator`, e.g.
 "--default-k 4 --max-k 8": the ingress is built by the same code, services/coordinator/root.py).
 
 Sessions: each call of a session goes to the model replica its id ranks first by rendezvous
