@@ -38,14 +38,17 @@ from specd.model_free import NO_DRAFT, Draft, SuffixDrafter
 from specd.outage import DraftOutage
 from specd.priority import Priority, RoundGate
 from specd.policy import PLAIN, PolicyConfig, PolicyState, RoundObservation, hybrid, inherit, next_k, observe
+from specd.policy.cost import batch_sessions
 from specd.protocols import Decoder, Drafter, PlainSteps, SessionStore, Verifier
 from specd.session import Lease, ServiceCursor, SessionState, SessionStats, Turn
 from specd.stopping import Decode, StopChecker, StopRules
 from specd.validation import validate_that
 
 EMPTY_PROPOSAL = Proposal((), ())
-# A speculating turn's UNDRAFTED_RUN-th round in a row without a draft opens a stream of plain steps, as
-# plain mode does: under load (a draft model whose catch-up does not pay, no copy to draft from) every round may.
+# Under load, a speculating turn's UNDRAFTED_RUN-th round in a row without a draft opens a stream of plain
+# steps, as plain mode does (a draft model whose catch-up does not pay, no copy to draft from: every round
+# may choose none, and a Step call's round trip splits the target's passes). Alone, its plain steps stay
+# calls: a stream's step in flight would take the place of the next round's draft.
 UNDRAFTED_RUN = 2
 T = TypeVar("T")
 tracer = trace.get_tracer(__name__)  # the vendor-neutral API: a no-op until a service installs a provider
@@ -523,15 +526,15 @@ async def _call(cursor: ServiceCursor, committed: Sequence[int], call: Callable[
 
 def _stretch_steps(turn: _Turn, state: SessionState, remaining: int) -> int:
     """Plain steps to stream from this plain round on (0: one Step): when the turn decodes plainly
-    for a while (speculation off, plain mode between probes, no draft model, or rounds that keep
-    choosing no draft), up to what the
-    request may still make; each round's own choice stops the stream when it would draft."""
+    for a while (speculation off, plain mode between probes, no draft model, or under load rounds
+    that keep choosing no draft), up to what the request may still make; each round's own choice
+    stops the stream when it would draft."""
     request, services = turn.request, turn.services
     if not turn.stretch.allowed or services.decoder is None or remaining < 2:
         return 0
     pinned_plain = request.fixed_k == 0 or request.drafter == hybrid.NONE
-    adaptive_plain = request.fixed_k is None and (
-        state.policy.mode == PLAIN or services.drafter is None or turn.stretch.undrafted >= UNDRAFTED_RUN)
+    undrafted = turn.stretch.undrafted >= UNDRAFTED_RUN and batch_sessions(state.policy.estimates) > 1
+    adaptive_plain = request.fixed_k is None and (state.policy.mode == PLAIN or services.drafter is None or undrafted)
     return remaining if pinned_plain or adaptive_plain else 0
 
 

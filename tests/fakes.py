@@ -111,7 +111,10 @@ class FakeDrafter(FakeService):
         return not self.down
 
 
+@dataclass
 class FakeVerifier(FakeService):
+    batch_size: int = 1  # the sessions each reply says shared its pass
+
     async def verify(self, request: VerifyRequest) -> VerifyReply:
         tokens, proposal = self._sync(request.session_id, request.sync), request.proposal
         accepted = 0
@@ -123,7 +126,7 @@ class FakeVerifier(FakeService):
         wanted = self.rule(tokens)
         tokens.append(wanted)
         return VerifyReply(Verdict(accepted, wanted), len(tokens), self.instance_id, self.compute_s,
-                           await self._wait())
+                           await self._wait(), self.batch_size)
 
 
 @dataclass

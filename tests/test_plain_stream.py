@@ -95,18 +95,31 @@ def test_a_model_free_draft_stops_the_stream_and_takes_the_step_in_flight():
     assert verifier.calls == decoder.steps + len(free)
 
 
-def test_speculating_rounds_that_keep_choosing_no_draft_stream_their_steps():
+def nothing_to_draft(batch_size: int) -> tuple[FakeVerifier, FakeDecoder]:
     """Speculation on, but nothing to draft (the model-free drafter alone, and the text never repeats;
-    under load, a draft model whose catch-up does not pay): the UNDRAFTED_RUN-th such round in a row
-    opens a stream, as plain mode does, rather than a Step call a token."""
+    under load, a draft model whose catch-up does not pay): 30 tokens, every round choosing none."""
     fresh = lambda prefix: 100 + len(prefix)  # every token new: no copy to draft
-    verifier = FakeVerifier(fresh)
+    verifier = FakeVerifier(fresh, batch_size=batch_size)
     decoder = FakeDecoder(verifier)
     done = run(plain(30, drafter=hybrid.FREE, fixed_k=None), verifier, decoder, drafter=FakeDrafter(fresh),
                model_free=SuffixDrafter())[-1]
     assert list(done.token_ids) == scripted_alone(PROMPT, 30, fresh)
+    return verifier, decoder
+
+
+def test_under_load_speculating_rounds_that_keep_choosing_no_draft_stream_their_steps():
+    """The UNDRAFTED_RUN-th such round in a row opens a stream, as plain mode does, rather than a Step
+    call a token, whose round trips would split the target's passes."""
+    verifier, decoder = nothing_to_draft(batch_size=8)
     assert decoder.opened == 1 and verifier.calls - decoder.steps == UNDRAFTED_RUN - 1
     assert decoder.steps == 30 - (UNDRAFTED_RUN - 1)
+
+
+def test_alone_speculating_rounds_without_a_draft_stay_step_calls():
+    """A session alone keeps its plain steps between drafts as calls: a stream's step in flight would
+    take the place of the next round's draft."""
+    verifier, decoder = nothing_to_draft(batch_size=1)
+    assert decoder.opened == 0 and verifier.calls == 30
 
 
 def test_a_stream_that_fails_midway_goes_on_with_step_calls():
