@@ -8,8 +8,9 @@ For each size N (0: every id): the draft's one-row step, measured in turns with 
 every prompt of prompts.json, prompts_heldout.json and prompts_repeat.json (128 tokens), fed to the
 full draft in one pass, and at each position whether the argmax over the ids an N-row head scores
 (`gguf_model.head_ids`) is the target's token. That agreement is a greedy draft token's chance of
-acceptance; the ids outside the head cost exactly the positions where the target's token is one of
-them. Writes benchmarks/results/head_vocab.json.
+acceptance; the ids outside the head cost at most the positions where the target's token is one of
+them (where the full draft was wrong, the head's argmax may be right). Writes
+benchmarks/results/head_vocab.json.
 """
 
 from __future__ import annotations
