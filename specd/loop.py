@@ -305,7 +305,8 @@ async def _run_round(turn: _Turn, progress: _Progress) -> RoundResult:
         draft = ServiceCursor(min(n + a, len(committed)), drafting.reply.instance_id) if drafting else state.draft
         target = ServiceCursor(min(verifying.reply.position, len(committed)), verifying.reply.instance_id)
         # 5. learn: acceptance and timings feed the K / fallback policy
-        observation = _observation(k, a, drafting, verifying, streamed=streamed is not None)
+        observation = replace(_observation(k, a, drafting, verifying, streamed=streamed is not None),
+                              free_offered=_free_offered(request, services, state.policy, free))
         policy = state.policy
         if source == hybrid.FREE:
             policy = hybrid.observe_free(policy, observation, free.scores, request.policy)
@@ -424,6 +425,12 @@ def _free_draft(turn: _Turn, state: SessionState, cap: int) -> Draft:
     if drafter is None or turn.request.drafter not in (hybrid.AUTO, hybrid.FREE) or cap <= 0:
         return NO_DRAFT
     return drafter.propose(turn.session_id, turn.owner, state.tokens, cap)
+
+
+def _free_offered(request: GenerationRequest, services: Services, policy: PolicyState, free: Draft) -> bool | None:
+    """Had the model-free drafter a draft that pays, where the hybrid weighs it against a draft model?"""
+    weighed = request.drafter == hybrid.AUTO and request.fixed_k is None and None not in (services.model_free, services.drafter)
+    return hybrid.free_offered(policy.estimates, free.scores) if weighed else None
 
 
 def _drafter(request: GenerationRequest, state: SessionState, k: int, free: Draft, model: bool,

@@ -4,12 +4,15 @@ loop with the model-free drafter (specd/model_free.py) against scripted fakes th
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
+
 import pytest
 
 from specd.contracts import SamplingParams
 from specd.loop import Finished, GenerationRequest, RoundRecord, Services, generate
 from specd.model_free import SuffixDrafter
-from specd.policy import Estimates, PolicyConfig, PolicyState, RoundObservation, hybrid
+from specd.policy import Estimates, PolicyConfig, PolicyState, RoundObservation, hybrid, inherit
+from specd.policy.learning import learn_offer
 from specd.stopping import StopRules
 from tests.fakes import FakeDrafter, FakeStore, FakeVerifier, target_alone, target_rule
 
@@ -63,6 +66,31 @@ def test_the_draft_models_catch_up_is_priced_over_what_is_left_of_the_request():
     assert hybrid.choose(hybrid.AUTO, good, CONFIG, 4, [0.2], lag=300, remaining=20) == (hybrid.FREE, 1)
     assert hybrid.choose(hybrid.AUTO, good, CONFIG, 4, [0.2], lag=2, remaining=20) == (hybrid.MODEL, 4)
     assert hybrid.choose(hybrid.MODEL, good, CONFIG, 4, [], lag=300, remaining=20) == (hybrid.MODEL, 4)  # asked for
+
+
+def test_where_the_model_free_drafter_takes_rounds_the_catch_up_is_shared_by_fewer():
+    """A 40-token lag (rounds the model-free drafter took) with 400 tokens to go: worth catching up when
+    the model then drafts the rest, not when the model-free drafter has a draft for every other round
+    (the draft model then lags again after each of them: half the catch-up falls on this round)."""
+    good = Estimates(**{**MEASURED.__dict__, "alpha": 0.9})
+    offering = Estimates(**{**good.__dict__, "free_offers": 8.0, "offer_rounds": 16.0})
+    assert offering.free_offer_rate == 0.5
+    assert hybrid.choose(hybrid.AUTO, good, CONFIG, 4, [], lag=40, remaining=400) == (hybrid.MODEL, 4)
+    assert hybrid.choose(hybrid.AUTO, offering, CONFIG, 4, [], lag=40, remaining=400) == (hybrid.NONE, 0)
+    assert hybrid.choose(hybrid.AUTO, offering, CONFIG, 4, [], lag=2, remaining=400) == (hybrid.MODEL, 4)  # caught up
+    catch_up = hybrid.catch_up_time(good, 40)
+    round_s = 1 / hybrid.model_rate(good, 4, 2, 400)
+    assert 1 / hybrid.model_rate(offering, 4, 40, 400) == pytest.approx(round_s + catch_up * 0.5 / hybrid.expected_tokens(0.9, 4))
+
+
+def test_the_share_of_rounds_with_a_model_free_draft_is_learnt_over_decaying_counts_and_inherited_lightly():
+    est, obs = Estimates(), RoundObservation(k=0, accepted=0, draft_s=0.0, verify_s=0.03, rtt_s=0.002)
+    for offered in (True, True, False, True):
+        est = learn_offer(est, replace(obs, free_offered=offered), CONFIG.alpha_window)
+    assert 0.7 < est.free_offer_rate < 0.8 and est.offer_rounds < 4
+    assert learn_offer(est, obs, CONFIG.alpha_window) == est  # the model-free drafter was not asked
+    new_session = inherit(PolicyState(estimates=est)).estimates
+    assert new_session.free_offer_rate == pytest.approx(est.free_offer_rate) and new_session.offer_rounds == 2.0
 
 
 def test_a_sure_model_free_draft_beats_the_draft_model_and_an_unsure_one_does_not():
@@ -152,6 +180,17 @@ def test_a_repeating_text_is_drafted_without_the_draft_model_and_the_output_is_t
     assert done.stats.model_free_accepted >= 30 and done.stats.model_free_drafted >= done.stats.model_free_accepted
     assert verifier.calls < 12  # 40 tokens in long accepted runs
     assert {r.drafter for r in records} >= {hybrid.FREE}
+
+
+def test_the_policy_learns_which_rounds_had_a_model_free_draft_where_it_is_weighed_against_the_model():
+    records: list[RoundRecord] = []
+    run(request(), FakeDrafter(useless), FakeVerifier(repeating), SuffixDrafter(), records=records)
+    offered = [r.observation.free_offered for r in records]
+    assert None not in offered and offered.count(True) > len(offered) / 2  # the prompt repeats
+    for who, model_free in ((hybrid.MODEL, SuffixDrafter()), (hybrid.AUTO, None)):
+        records.clear()
+        run(request(who), FakeDrafter(useless), FakeVerifier(repeating), model_free, records=records)
+        assert {r.observation.free_offered for r in records} == {None}
 
 
 @pytest.mark.parametrize("who", [hybrid.NONE, hybrid.MODEL, hybrid.FREE])

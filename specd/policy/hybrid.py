@@ -18,7 +18,7 @@ from dataclasses import replace
 
 from specd.policy.base import PLAIN, Estimates, PolicyConfig, PolicyState, RoundObservation
 from specd.policy.cost import batch_sessions, expected_tokens, grown, is_measured, plain_time, round_time, verify_time
-from specd.policy.learning import learn_pass
+from specd.policy.learning import learn_offer, learn_pass
 
 AUTO, MODEL, FREE, NONE = "auto", "model", "ngram", "none"
 DRAFTERS = (AUTO, MODEL, FREE, NONE)
@@ -67,12 +67,21 @@ def choose(drafter: str, est: Estimates, config: PolicyConfig, k: int, scores: S
     return (FREE, m) if free_rate >= rate else (MODEL, k)
 
 
+def free_offered(est: Estimates, scores: Sequence[float]) -> bool:
+    """Has the model-free drafter a draft that pays this round?"""
+    return free_choice(est, scores)[0] > 0
+
+
 def model_rate(est: Estimates, k: int, lag: int, remaining: int) -> float:
     """Tokens a second of the draft model at K, its catch-up included: a draft that lacks more than
     the round's own tokens (a new prompt, rounds another drafter took) first runs a pass over them,
-    paid once and shared by the rounds it then serves, E(α, K) tokens each, of the `remaining`."""
+    paid once and shared by the rounds it then serves, E(α, K) tokens each. Those rounds last until
+    the request ends or the model-free drafter takes a round (the draft model then lags again), in
+    1 / P rounds where P is the share of rounds it has a draft that pays: a round's share of the
+    catch-up is the larger of E / `remaining` and P."""
     tokens = expected_tokens(est.alpha, k)
-    catch_up = catch_up_time(est, lag) * tokens / max(remaining, 1) if lag > CAUGHT_UP else 0.0
+    share = min(1.0, max(tokens / max(remaining, 1), est.free_offer_rate))
+    catch_up = catch_up_time(est, lag) * share if lag > CAUGHT_UP else 0.0
     return tokens / (round_time(est, k) + catch_up)
 
 
@@ -88,7 +97,7 @@ def learn_free(est: Estimates, obs: RoundObservation, scores: Sequence[float], c
     keep = 1.0 - 1.0 / config.alpha_window
     accepted = est.free_accepted * keep + obs.accepted
     expected = est.free_expected * keep + sum(scores[: obs.k])
-    est = learn_pass(est, obs, config.smoothing, obs.target_cold)
+    est = learn_offer(learn_pass(est, obs, config.smoothing, obs.target_cold), obs, config.alpha_window)
     return replace(est, free_accepted=accepted, free_expected=expected)
 
 

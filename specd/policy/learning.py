@@ -35,7 +35,7 @@ def learn(
         stream = obs.rtt_s if stream is None else _ewma(stream, obs.rtt_s, w)
     else:
         rtt = obs.rtt_s if est.observations == 0 else _ewma(est.rtt_s, obs.rtt_s, w)
-    est = learn_pass(est, obs, w, target_cold)
+    est = learn_offer(learn_pass(est, obs, w, target_cold), obs, config.alpha_window)
     return replace(est, alpha=alpha, draft_step_s=draft_step, draft_batched=batched, rtt_s=rtt, stream_s=stream,
                    observations=est.observations + 1, accepted_count=accepted_count, tested_count=tested_count,
                    judged=est.judged + judged)
@@ -54,6 +54,15 @@ def learn_pass(est: Estimates, obs: RoundObservation, w: float, target_cold: boo
     # A pass of eight costs eight at once: the batch rises with a pass and falls off over a few (EWMA).
     batch = float(obs.batch_size) if est.observations == 0 else max(float(obs.batch_size), _ewma(est.batch, obs.batch_size, w))
     return replace(est, verify_s=verify_s, batch=batch)
+
+
+def learn_offer(est: Estimates, obs: RoundObservation, window: int) -> Estimates:
+    """Whether the model-free drafter had a draft that pays, over counts that decay as α's: the
+    share of rounds it would take from a draft model that caught up (`hybrid.model_rate`)."""
+    if obs.free_offered is None:
+        return est
+    keep = 1.0 - 1.0 / window
+    return replace(est, free_offers=est.free_offers * keep + obs.free_offered, offer_rounds=est.offer_rounds * keep + 1)
 
 
 def _learn_acceptance(est: Estimates, obs: RoundObservation, window: int) -> tuple[float, float, int]:
