@@ -275,6 +275,7 @@ async def _run_round(turn: _Turn, progress: _Progress) -> RoundResult:
         k = min(_choose_k(request, state.policy), remaining - 1)  # a round commits at most k + 1 tokens
         # 1. draft: from the tokens at hand, by the draft model, or not at all
         free = _free_draft(turn, state, min(request.policy.max_k, remaining - 1))
+        offered = _free_offered(request, services, state.policy, free, k)
         source, k = _drafter(request, state, k, free, _model_drafts(turn, progress), remaining)
         turn.stretch.undrafted = turn.stretch.undrafted + 1 if source == hybrid.NONE else 0
         drafting, outage, proposal = None, False, EMPTY_PROPOSAL
@@ -306,7 +307,7 @@ async def _run_round(turn: _Turn, progress: _Progress) -> RoundResult:
         target = ServiceCursor(min(verifying.reply.position, len(committed)), verifying.reply.instance_id)
         # 5. learn: acceptance and timings feed the K / fallback policy
         observation = replace(_observation(k, a, drafting, verifying, streamed=streamed is not None),
-                              free_offered=_free_offered(request, services, state.policy, free))
+                              free_offered=offered)
         policy = state.policy
         if source == hybrid.FREE:
             policy = hybrid.observe_free(policy, observation, free.scores, request.policy)
@@ -427,10 +428,12 @@ def _free_draft(turn: _Turn, state: SessionState, cap: int) -> Draft:
     return drafter.propose(turn.session_id, turn.owner, state.tokens, cap)
 
 
-def _free_offered(request: GenerationRequest, services: Services, policy: PolicyState, free: Draft) -> bool | None:
-    """Had the model-free drafter a draft that pays, where the hybrid weighs it against a draft model?"""
+def _free_offered(request: GenerationRequest, services: Services, policy: PolicyState, free: Draft,
+                  k: int) -> bool | None:
+    """Would the model-free drafter take this round from the draft model at K, had it caught up
+    (None where the two are not weighed)?"""
     weighed = request.drafter == hybrid.AUTO and request.fixed_k is None and None not in (services.model_free, services.drafter)
-    return hybrid.free_offered(policy.estimates, free.scores) if weighed else None
+    return hybrid.free_offered(policy.estimates, free.scores, k) if weighed else None
 
 
 def _drafter(request: GenerationRequest, state: SessionState, k: int, free: Draft, model: bool,

@@ -83,14 +83,21 @@ def test_where_the_model_free_drafter_takes_rounds_the_catch_up_is_shared_by_few
     assert 1 / hybrid.model_rate(offering, 4, 40, 400) == pytest.approx(round_s + catch_up * 0.5 / hybrid.expected_tokens(0.9, 4))
 
 
-def test_the_share_of_rounds_with_a_model_free_draft_is_learnt_over_decaying_counts_and_inherited_lightly():
+def test_a_round_counts_for_the_model_free_drafter_when_it_would_beat_the_caught_up_draft_model():
+    good = Estimates(**{**MEASURED.__dict__, "alpha": 0.9})
+    assert hybrid.free_offered(good, [1.0] * 8, 4)
+    assert not hybrid.free_offered(good, [0.3], 4)  # it pays against a plain step, not against the model
+    assert hybrid.free_offered(good, [0.3], 0)  # no draft model this round: against a plain step
+    assert not hybrid.free_offered(good, [], 4)
+
+
+def test_the_share_of_rounds_the_model_free_drafter_takes_is_learnt_over_decaying_counts_per_session():
     est, obs = Estimates(), RoundObservation(k=0, accepted=0, draft_s=0.0, verify_s=0.03, rtt_s=0.002)
     for offered in (True, True, False, True):
         est = learn_offer(est, replace(obs, free_offered=offered), CONFIG.alpha_window)
     assert 0.7 < est.free_offer_rate < 0.8 and est.offer_rounds < 4
-    assert learn_offer(est, obs, CONFIG.alpha_window) == est  # the model-free drafter was not asked
-    new_session = inherit(PolicyState(estimates=est)).estimates
-    assert new_session.free_offer_rate == pytest.approx(est.free_offer_rate) and new_session.offer_rounds == 2.0
+    assert learn_offer(est, obs, CONFIG.alpha_window) == est  # the two were not weighed
+    assert inherit(PolicyState(estimates=est)).estimates.free_offer_rate == 0.0  # another request's text
 
 
 def test_a_sure_model_free_draft_beats_the_draft_model_and_an_unsure_one_does_not():

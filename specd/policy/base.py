@@ -55,7 +55,7 @@ class RoundObservation:
     batch_size: int = 1  # sessions in the target's pass
     pass_rows: int = 0  # positions that pass fed, every session's: what verify_s paid for (0: not reported)
     streamed: bool = False  # a plain step of a Decode stream: no RPC of its own, so rtt_s says nothing
-    free_offered: bool | None = None  # the model-free drafter had a draft that pays (None: it was not asked)
+    free_offered: bool | None = None  # the model-free drafter would take the round from a caught-up draft model (None: not weighed)
 
 
 @dataclass(frozen=True)
@@ -73,8 +73,8 @@ class Estimates:
     judged: int = 0  # drafts the target judged in this session (not decayed, not inherited)
     free_accepted: float = 0.0  # decayed count of accepted model-free drafts (specd/policy/hybrid.py)
     free_expected: float = 0.0  # decayed sum of those drafts' scores: what the drafter expected
-    free_offers: float = 0.0  # decayed count of rounds where the model-free drafter had a draft that pays
-    offer_rounds: float = 0.0  # decayed count of rounds it was asked
+    free_offers: float = 0.0  # decayed count of rounds the model-free drafter would take from a caught-up draft model
+    offer_rounds: float = 0.0  # decayed count of rounds it was weighed (this session's: not inherited)
     batch: float = 1.0  # sessions sharing the target's passes (up at once, down by EWMA): a round is priced as a pass of them all
     draft_batched: tuple[tuple[int, float], ...] = ()  # the draft step with that many sessions in the passes (> 1)
 
@@ -85,7 +85,7 @@ class Estimates:
 
     @property
     def free_offer_rate(self) -> float:
-        """The share of rounds the model-free drafter has a draft that pays (0 before it was asked)."""
+        """P: the share of rounds the model-free drafter would take from a caught-up draft model."""
         return self.free_offers / self.offer_rounds if self.offer_rounds > 0 else 0.0
 
 

@@ -67,9 +67,12 @@ def choose(drafter: str, est: Estimates, config: PolicyConfig, k: int, scores: S
     return (FREE, m) if free_rate >= rate else (MODEL, k)
 
 
-def free_offered(est: Estimates, scores: Sequence[float]) -> bool:
-    """Has the model-free drafter a draft that pays this round?"""
-    return free_choice(est, scores)[0] > 0
+def free_offered(est: Estimates, scores: Sequence[float], k: int) -> bool:
+    """Would the model-free drafter take this round from a draft model at K that had caught up?"""
+    m, free_rate = free_choice(est, scores)
+    if m == 0 or k == 0 or math.isnan(free_rate):
+        return m > 0
+    return free_rate >= model_rate(est, k, 0, 1)
 
 
 def model_rate(est: Estimates, k: int, lag: int, remaining: int) -> float:
@@ -77,8 +80,8 @@ def model_rate(est: Estimates, k: int, lag: int, remaining: int) -> float:
     the round's own tokens (a new prompt, rounds another drafter took) first runs a pass over them,
     paid once and shared by the rounds it then serves, E(α, K) tokens each. Those rounds last until
     the request ends or the model-free drafter takes a round (the draft model then lags again), in
-    1 / P rounds where P is the share of rounds it has a draft that pays: a round's share of the
-    catch-up is the larger of E / `remaining` and P."""
+    1 / P rounds where P is the share of rounds it would take from a caught-up draft model: a
+    round's share of the catch-up is the larger of E / `remaining` and P."""
     tokens = expected_tokens(est.alpha, k)
     share = min(1.0, max(tokens / max(remaining, 1), est.free_offer_rate))
     catch_up = catch_up_time(est, lag) * share if lag > CAUGHT_UP else 0.0

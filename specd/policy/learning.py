@@ -57,8 +57,8 @@ def learn_pass(est: Estimates, obs: RoundObservation, w: float, target_cold: boo
 
 
 def learn_offer(est: Estimates, obs: RoundObservation, window: int) -> Estimates:
-    """Whether the model-free drafter had a draft that pays, over counts that decay as α's: the
-    share of rounds it would take from a draft model that caught up (`hybrid.model_rate`)."""
+    """Whether the model-free drafter would have taken the round from a caught-up draft model, over
+    counts that decay as α's (`hybrid.model_rate` shares a catch-up by it)."""
     if obs.free_offered is None:
         return est
     keep = 1.0 - 1.0 / window

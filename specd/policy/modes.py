@@ -18,16 +18,16 @@ def inherit(prior: PolicyState) -> PolicyState:
     """A new session's start from what the deployment learned last (the store keeps the latest
     finished session's policy). Timings are properties of the deployment and carry over as they
     are; acceptance depends on the text, so it comes back as a light prior (at most PRIOR_DRAFTS worth),
-    as does the share of rounds the model-free drafter had a draft for (at most PRIOR_DRAFTS rounds).
+    and the share of rounds the model-free drafter would take does not come back (on prose it takes
+    them all, and a chat request after it would then never catch its draft model up).
     A deployment whose draft did not pay starts new sessions in plain mode with one probe right
     after the prompt: acceptance depends on the text (code after prose, or a verdict taken while
     the cores were busy), and one round is all it costs a useless draft per request. After that
     probe the session follows the schedule the deployment had reached."""
     est = prior.estimates
     weight = min(est.tested_count, PRIOR_DRAFTS) or PRIOR_DRAFTS
-    offers = min(est.offer_rounds, PRIOR_DRAFTS)
-    est = replace(est, accepted_count=est.alpha * weight, tested_count=weight, judged=0,
-                  free_offers=est.free_offer_rate * offers, offer_rounds=offers)
+    est = replace(est, accepted_count=est.alpha * weight, tested_count=weight, judged=0, free_offers=0.0,
+                  offer_rounds=0.0)
     return PolicyState(
         mode=prior.mode,
         k=prior.k,
