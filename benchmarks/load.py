@@ -69,7 +69,8 @@ def run(sessions: tuple[int, ...], tokens: int, repeats: int, prompts_path: Path
         "lossless": {"checked": sum(r.config == "adaptive" for r in runs),
                      "mismatches": mismatches(plain, [r for r in runs if r.config == "adaptive"])},
         "adaptive": {name: sum(r.stats[name] for r in runs if r.config == "adaptive")
-                     for name in ("rounds", "drafted_tokens", "accepted_tokens", "fallbacks")},
+                     for name in ("rounds", "drafted_tokens", "accepted_tokens", "model_free_drafted_tokens",
+                                  "model_free_accepted_tokens", "fallbacks")},
     }
 
 

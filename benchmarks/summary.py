@@ -25,6 +25,7 @@ PLAIN_GOAL = 1.1  # specd plain vs llama-server plain, same file and cores
 STAT_FIELDS = (  # the GenerationStats a run keeps and the figures add up
     "rounds", "drafted_tokens", "accepted_tokens", "judged_tokens", "fallbacks", "outage_rounds",
     "draft_compute_s", "verify_compute_s", "round_wall_s", "model_free_drafted_tokens",
+    "model_free_accepted_tokens",
 )
 
 
