@@ -43,6 +43,7 @@ def run(sessions: tuple[int, ...], tokens: int, repeats: int, prompts_path: Path
     flags = ("--draft-model", str(paths["draft"]), "--target-model", str(paths["target"]), "--audit-rate", "0",
              *up_flags)
     totals = {(n, c): [0, 0.0] for n in sessions for c in CONFIGS}  # tokens, seconds
+    by_repeat = {(n, c): [] for n in sessions for c in CONFIGS}  # each repeat's tokens a second
     runs: list[Measured] = []
     with common.specd_up(*flags) as up:
         warm_up(up.stub, prompts[0])
@@ -52,6 +53,7 @@ def run(sessions: tuple[int, ...], tokens: int, repeats: int, prompts_path: Path
                     seconds, these = at_once(up.stub, config, prompts, n, tokens)
                     totals[n, config][0] += sum(len(r.output) for r in these)
                     totals[n, config][1] += seconds
+                    by_repeat[n, config].append(sum(len(r.output) for r in these) / seconds)
                     runs += these
     plain = {r.prompt: r.output for r in runs if r.config == "plain"}
     by_n = {}
@@ -59,6 +61,7 @@ def run(sessions: tuple[int, ...], tokens: int, repeats: int, prompts_path: Path
         rates = {c: totals[n, c][0] / totals[n, c][1] for c in CONFIGS}
         by_n[str(n)] = {f"{c}_tokens_per_s": round(rate, 2) for c, rate in rates.items()} | {
             "adaptive_vs_plain": round(rates["adaptive"] / rates["plain"], 3),
+            "adaptive_vs_plain_by_repeat": [round(a / p, 3) for a, p in zip(by_repeat[n, "adaptive"], by_repeat[n, "plain"])],
             "met": rates["adaptive"] / rates["plain"] >= GOAL}
     return {
         "machine": common.machine(),

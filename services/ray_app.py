@@ -219,7 +219,8 @@ def build_app(args: dict[str, str]):
     draft_config, target_config = (
         EngineConfig(Path(args[f"{role}_model"]), device=device, dtype=dtype,
                      quantize=settings.check_quantize(role, args.get(f"{role}_quantize", settings.SERVICE_QUANTIZE)),
-                     head_vocab=int(args.get("draft_head_vocab", settings.DRAFT_HEAD_VOCAB)) if role == "draft" else 0)
+                     head_vocab=settings.check_head_vocab(int(args.get("draft_head_vocab", settings.DRAFT_HEAD_VOCAB)))
+                     if role == "draft" else 0)
         for role in ("draft", "target")
     )
     draft = DraftDeployment.options(**_scaling(args, "draft")).bind(draft_config)

@@ -84,3 +84,11 @@ def test_greedy_speculation_with_a_partial_head_is_plain_decoding_through_the_se
         assert list(fixed.token_ids) == plain
         accepted += fixed.stats.accepted_tokens
     assert accepted > 0
+
+
+def test_a_negative_head_is_refused_at_start(capsys):
+    from services.common import model_main
+
+    with pytest.raises(SystemExit):
+        model_main.parse("draft", 1, ["--model-dir", "m", "--head-vocab", "-1", "--insecure"])
+    assert "head vocabulary must be >= 0" in capsys.readouterr().err

@@ -96,12 +96,14 @@ def test_the_ray_ingress_calibrates_at_start_up_as_the_coordinator_does(ray_app,
     assert prior["estimates"]["draft_step_s"] > 0 and len(prior["estimates"]["verify_s"]) > 1
 
 
-def test_the_coordinator_flags_are_checked_when_the_app_is_built(tiny_pair, redis_url):
+def test_the_coordinator_flags_and_the_draft_head_are_checked_when_the_app_is_built(tiny_pair, redis_url):
     from services.ray_app import build_app
 
     args = {"target_model": str(tiny_pair[1]), "draft_model": str(tiny_pair[0]), "redis_url": redis_url}
     with pytest.raises(ValueError, match="coordinator_flags"):
         build_app(args | {"coordinator_flags": "--default-k many"})
+    with pytest.raises(ValueError, match="head vocabulary must be >= 0"):  # as the draft service's --head-vocab
+        build_app(args | {"draft_head_vocab": "-1"})
 
 
 def test_the_ray_ingress_streams_and_refuses_bad_input(ray_app):

@@ -85,8 +85,7 @@ def _checked(parser: argparse.ArgumentParser, role: str, args: argparse.Namespac
                                                                           "--tls-dir (`specd certs` makes a set)")):
             raise ValueError(why)
         Batching(args.max_batch, args.batch_wait).validate()
-        if getattr(args, "head_vocab", 0) < 0:
-            raise ValueError(f"--head-vocab must be >= 0, got {args.head_vocab}")
+        settings.check_head_vocab(getattr(args, "head_vocab", 0))
         settings.check_quantize(role, args.quantize)  # the environment's value too, which argparse does not check
     except ValueError as error:
         parser.error(str(error))

@@ -55,6 +55,13 @@ SERVICE_QUANTIZE = "none"  # `python -m services.draft|target` and Ray's build_a
 LAUNCH_QUANTIZE = {"draft": "auto", "target": "auto"}
 
 
+def check_head_vocab(ids: int) -> int:
+    """A draft's head size (`DRAFT_HEAD_VOCAB`), if it is one; else ValueError."""
+    if ids < 0:
+        raise ValueError(f"the draft's head vocabulary must be >= 0 ids (0: all), got {ids}")
+    return ids
+
+
 def check_quantize(role: str, mode: str) -> str:
     """The mode, if `role` ("draft" or "target") may run it; else ValueError saying what to change."""
     if mode not in QUANTIZE_MODES:
