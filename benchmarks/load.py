@@ -42,8 +42,7 @@ def run(sessions: tuple[int, ...], tokens: int, repeats: int, prompts_path: Path
     prompts = load_prompts(paths["target"], 3, prompts_path)
     flags = ("--draft-model", str(paths["draft"]), "--target-model", str(paths["target"]), "--audit-rate", "0",
              *up_flags)
-    totals = {(n, c): [0, 0.0] for n in sessions for c in CONFIGS}  # tokens, seconds
-    by_repeat = {(n, c): [] for n in sessions for c in CONFIGS}  # each repeat's tokens a second
+    by_repeat = {(n, c): [] for n in sessions for c in CONFIGS}  # each repeat's (tokens, seconds)
     runs: list[Measured] = []
     with common.specd_up(*flags) as up:
         warm_up(up.stub, prompts[0])
@@ -51,17 +50,16 @@ def run(sessions: tuple[int, ...], tokens: int, repeats: int, prompts_path: Path
             for n in sessions:
                 for config in (CONFIGS if repeat % 2 == 0 else reversed(CONFIGS)):
                     seconds, these = at_once(up.stub, config, prompts, n, tokens)
-                    totals[n, config][0] += sum(len(r.output) for r in these)
-                    totals[n, config][1] += seconds
-                    by_repeat[n, config].append(sum(len(r.output) for r in these) / seconds)
+                    by_repeat[n, config].append((sum(len(r.output) for r in these), seconds))
                     runs += these
     plain = {r.prompt: r.output for r in runs if r.config == "plain"}
     by_n = {}
     for n in sessions:
-        rates = {c: totals[n, c][0] / totals[n, c][1] for c in CONFIGS}
+        rates = {c: _rate(by_repeat[n, c]) for c in CONFIGS}
         by_n[str(n)] = {f"{c}_tokens_per_s": round(rate, 2) for c, rate in rates.items()} | {
             "adaptive_vs_plain": round(rates["adaptive"] / rates["plain"], 3),
-            "adaptive_vs_plain_by_repeat": [round(a / p, 3) for a, p in zip(by_repeat[n, "adaptive"], by_repeat[n, "plain"])],
+            "adaptive_vs_plain_by_repeat": [round(_rate([a]) / _rate([p]), 3)
+                                            for a, p in zip(by_repeat[n, "adaptive"], by_repeat[n, "plain"])],
             "met": rates["adaptive"] / rates["plain"] >= GOAL}
     return {
         "machine": common.machine(),
@@ -75,6 +73,11 @@ def run(sessions: tuple[int, ...], tokens: int, repeats: int, prompts_path: Path
                      for name in ("rounds", "drafted_tokens", "accepted_tokens", "model_free_drafted_tokens",
                                   "model_free_accepted_tokens", "fallbacks")},
     }
+
+
+def _rate(measured: list[tuple[int, float]]) -> float:
+    """Tokens a second over (tokens, seconds) runs."""
+    return sum(t for t, _ in measured) / sum(s for _, s in measured)
 
 
 def main(argv: list[str] | None = None) -> int:

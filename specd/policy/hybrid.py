@@ -12,6 +12,7 @@ Rates, with T(0) the plain token (cost.plain_time: a Step call, or a step of a s
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import replace
@@ -34,6 +35,11 @@ def free_expected(est: Estimates, scores: Sequence[float], m: int) -> float:
 
 def free_choice(est: Estimates, scores: Sequence[float]) -> tuple[int, float]:
     """(m, tokens/s) of the best prefix of a model-free draft (m = 0: none of it pays)."""
+    return _free_choice(est, tuple(scores))
+
+
+@functools.lru_cache(maxsize=64)  # a round weighs its draft twice: for its choice and for P (free_offered)
+def _free_choice(est: Estimates, scores: tuple[float, ...]) -> tuple[int, float]:
     if not scores or not is_measured(est):
         m = len(scores) if free_expected(est, scores, len(scores)) >= UNMEASURED_MIN_EXPECTED else 0
         return m, math.nan
