@@ -60,7 +60,7 @@ def test_the_draft_models_catch_up_is_priced_over_what_is_left_of_the_request():
     """A draft model that lacks a 300-token prompt first runs a pass over it (about 0.6 s here): worth
     it for 400 more tokens at α = 0.9, not for 20; a model-free draft at hand then wins even when
     unsure. Caught up (the round's own tokens only), the choice is the one without a lag."""
-    good = Estimates(**{**MEASURED.__dict__, "alpha": 0.9})
+    good = replace(MEASURED, alpha=0.9)
     assert hybrid.choose(hybrid.AUTO, good, CONFIG, 4, [], lag=300, remaining=400) == (hybrid.MODEL, 4)
     assert hybrid.choose(hybrid.AUTO, good, CONFIG, 4, [], lag=300, remaining=20) == (hybrid.NONE, 0)
     assert hybrid.choose(hybrid.AUTO, good, CONFIG, 4, [0.2], lag=300, remaining=20) == (hybrid.FREE, 1)
@@ -72,8 +72,8 @@ def test_where_the_model_free_drafter_takes_rounds_the_catch_up_is_shared_by_few
     """A 40-token lag (rounds the model-free drafter took) with 400 tokens to go: worth catching up when
     the model then drafts the rest, not when the model-free drafter has a draft for every other round
     (the draft model then lags again after each of them: half the catch-up falls on this round)."""
-    good = Estimates(**{**MEASURED.__dict__, "alpha": 0.9})
-    offering = Estimates(**{**good.__dict__, "free_offers": 8.0, "offer_rounds": 16.0})
+    good = replace(MEASURED, alpha=0.9)
+    offering = replace(good, free_offers=8.0, offer_rounds=16.0)
     assert offering.free_offer_rate == 0.5
     assert hybrid.choose(hybrid.AUTO, good, CONFIG, 4, [], lag=40, remaining=400) == (hybrid.MODEL, 4)
     assert hybrid.choose(hybrid.AUTO, offering, CONFIG, 4, [], lag=40, remaining=400) == (hybrid.NONE, 0)
@@ -84,7 +84,7 @@ def test_where_the_model_free_drafter_takes_rounds_the_catch_up_is_shared_by_few
 
 
 def test_a_round_counts_for_the_model_free_drafter_when_it_would_beat_the_caught_up_draft_model():
-    good = Estimates(**{**MEASURED.__dict__, "alpha": 0.9})
+    good = replace(MEASURED, alpha=0.9)
     assert hybrid.free_offered(good, [1.0] * 8, 4)
     assert not hybrid.free_offered(good, [0.3], 4)  # it pays against a plain step, not against the model
     assert hybrid.free_offered(good, [0.3], 0)  # no draft model this round: against a plain step
@@ -133,7 +133,7 @@ def test_drafts_the_target_keeps_rejecting_lower_the_calibration_until_none_is_s
 def test_a_probe_of_the_draft_model_is_not_priced_by_the_acceptance_it_is_to_measure():
     """α learnt on other text (prose before this code) says a new session's catch-up would not pay;
     a probe is how the policy finds out whether it is still so, and one round is its whole cost."""
-    stale = Estimates(**{**MEASURED.__dict__, "alpha": 0.2})
+    stale = replace(MEASURED, alpha=0.2)
     assert hybrid.choose(hybrid.AUTO, stale, CONFIG, 2, [], lag=40, remaining=100) == (hybrid.NONE, 0)
     assert hybrid.choose(hybrid.AUTO, stale, CONFIG, 2, [], lag=40, remaining=100, probe=True) == (hybrid.MODEL, 2)
     assert hybrid.choose(hybrid.AUTO, stale, CONFIG, 2, [0.9], lag=40, remaining=100, probe=True) == (hybrid.MODEL, 2)
@@ -150,7 +150,7 @@ def test_under_load_a_probe_is_priced_like_any_round_with_its_catch_up_paid_by_t
     repays that in a 100-token request, so the probe does not run. Alone, the same probe runs."""
     table = tuple((rows - 1, ms / 1e3) for rows, ms in LOADED_PASS.items())
     alone = Estimates(alpha=0.7, draft_step_s=0.017, verify_s=table, rtt_s=0.01, observations=50)
-    loaded = Estimates(**{**alone.__dict__, "batch": 8.0})
+    loaded = replace(alone, batch=8.0)
     assert hybrid.choose(hybrid.AUTO, alone, CONFIG, 1, [], lag=60, remaining=100, probe=True) == (hybrid.MODEL, 1)
     assert hybrid.choose(hybrid.AUTO, loaded, CONFIG, 1, [], lag=60, remaining=100, probe=True) == (hybrid.NONE, 0)
     assert hybrid.catch_up_time(loaded, 60) > 7 * hybrid.catch_up_time(alone, 60)
@@ -159,8 +159,8 @@ def test_under_load_a_probe_is_priced_like_any_round_with_its_catch_up_paid_by_t
 def test_a_key_whose_last_request_fell_back_probes_and_speculates_on_text_its_draft_knows():
     """The key's prior: plain mode, α low (its last text). This request's draft agrees with the target:
     the probe after the prompt runs, and the request speculates."""
-    cheap_draft = {**MEASURED.__dict__, "alpha": 0.2, "draft_step_s": 0.005}  # α 0.2: the catch-up "would not pay"
-    prose = PolicyState(mode="plain", k=2, estimates=Estimates(**cheap_draft), plain_rounds_until_probe=64,
+    cheap_draft = replace(MEASURED, alpha=0.2, draft_step_s=0.005)  # α 0.2: the catch-up "would not pay"
+    prose = PolicyState(mode="plain", k=2, estimates=cheap_draft, plain_rounds_until_probe=64,
                         probe_interval=64)
     store = FakeStore(learned_by={"alice": prose})
     drafter, verifier = FakeDrafter(target_rule), FakeVerifier(target_rule)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from specd.validation import validate_that
@@ -77,6 +78,13 @@ class Estimates:
     offer_rounds: float = 0.0  # decayed count of rounds it was weighed (this session's: not inherited)
     batch: float = 1.0  # sessions sharing the target's passes (up at once, down by EWMA): a round is priced as a pass of them all
     draft_batched: tuple[tuple[int, float], ...] = ()  # the draft step with that many sessions in the passes (> 1)
+
+    @functools.cached_property
+    def derived(self) -> dict:
+        """What the cost model derived from these estimates (specd/policy/cost.py): a round's decisions
+        ask for the same pass times and best K many times over. Not a field: not saved, not compared, and
+        a new estimate (dataclasses.replace) starts with nothing derived."""
+        return {}
 
     @property
     def free_calibration(self) -> float:

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Callable, TypeVar
 
 from specd.policy.base import CALIBRATION_ROUNDS, Estimates, PolicyConfig
+
+T = TypeVar("T")
 
 PRIOR_SLOPE = 0.25  # verify(K) ≈ verify(0)·(1 + PRIOR_SLOPE·K) when only one K is measured
 TIMING_EVIDENCE = CALIBRATION_ROUNDS + 3  # rounds before timings alone may switch speculation off
@@ -36,8 +39,21 @@ def pass_time(est: Estimates, k: int) -> float | None:
     """Target compute of a pass of k + 1 positions: the measurement when k was measured, else a
     least-squares line through the measured k (slope >= 0: more positions never cost less),
     or PRIOR_SLOPE through a single point. Never below what a batched pass can cost: k + 1
-    positions at once cost at most k + 1 times one position. None when nothing is measured."""
-    points = dict(est.verify_s)
+    positions at once cost at most k + 1 times one position. None when nothing is measured.
+    Derived once per estimates and k."""
+    return _derived(est, ("pass", k), lambda: _pass_time(est, k))
+
+
+def _derived(est: Estimates, key: tuple, compute: Callable[[], T]) -> T:
+    """`compute()`, once per estimates and key (`Estimates.derived`)."""
+    memo = est.derived
+    if key not in memo:
+        memo[key] = compute()
+    return memo[key]
+
+
+def _pass_time(est: Estimates, k: int) -> float | None:
+    points = _derived(est, ("points",), lambda: dict(est.verify_s))
     if k in points:
         return points[k]
     if not points:
@@ -94,6 +110,10 @@ def draft_step(est: Estimates) -> float:
     """A draft step with B sessions in the passes: as measured at B, else the step measured at the
     nearest smaller B (or alone) grown as the target's pass grows from that many positions to B (both
     are passes over the same sessions' rows). Needs `is_measured(est)`."""
+    return _derived(est, ("draft_step",), lambda: _draft_step(est))
+
+
+def _draft_step(est: Estimates) -> float:
     batch = batch_sessions(est)
     measured = {1: est.draft_step_s, **dict(est.draft_batched)}
     if batch in measured:
@@ -111,6 +131,10 @@ def grown(est: Estimates, seconds: float, positions: int, to: int) -> float:
 def best_k(est: Estimates, config: PolicyConfig) -> tuple[int, float]:
     """(K, S(K)) maximising the predicted speedup over 1..max_k (just the fixed K when not
     adaptive); the smaller K on a tie. Before anything is measured: (the default K, nan)."""
+    return _derived(est, ("best_k", config), lambda: _best_k(est, config))
+
+
+def _best_k(est: Estimates, config: PolicyConfig) -> tuple[int, float]:
     if not is_measured(est):
         return config.start_k, math.nan
     candidates = range(1, config.max_k + 1) if config.adaptive else (config.start_k,)
