@@ -276,7 +276,8 @@ async def _run_round(turn: _Turn, progress: _Progress) -> RoundResult:
         # 1. draft: from the tokens at hand, by the draft model, or not at all
         free = _free_draft(turn, state, min(request.policy.max_k, remaining - 1))
         offered = _free_offered(request, services, state.policy, free, k)
-        source, k = _drafter(request, state, k, free, _model_drafts(turn, progress), remaining)
+        source, k = _drafter(request, state, k, free, _model_drafts(turn, progress), remaining,
+                             streaming=turn.stretch.steps is not None)
         turn.stretch.undrafted = turn.stretch.undrafted + 1 if source == hybrid.NONE else 0
         drafting, outage, proposal = None, False, EMPTY_PROPOSAL
         # a stretch's step in flight is this round's, whatever it chose (the next round chooses again)
@@ -437,9 +438,11 @@ def _free_offered(request: GenerationRequest, services: Services, policy: Policy
 
 
 def _drafter(request: GenerationRequest, state: SessionState, k: int, free: Draft, model: bool,
-             remaining: int) -> tuple[str, int]:
+             remaining: int, streaming: bool = False) -> tuple[str, int]:
     """Who drafts this round, and how many tokens (`model`: there is a draft model). A pinned K is
-    the draft model's, unless the request asked for the model-free drafter, whose draft it then caps."""
+    the draft model's, unless the request asked for the model-free drafter, whose draft it then caps.
+    A turn `streaming` its plain steps prices a draft with the Step calls it costs before the stream
+    reopens (UNDRAFTED_RUN)."""
     policy = state.policy
     if request.fixed_k is not None and request.drafter != hybrid.FREE:
         return (hybrid.MODEL, k) if k > 0 and model and request.drafter != hybrid.NONE else (hybrid.NONE, 0)
@@ -447,8 +450,9 @@ def _drafter(request: GenerationRequest, state: SessionState, k: int, free: Draf
         free = Draft(free.tokens[:k], free.scores[:k], free.match)
         return (hybrid.FREE, len(free.tokens)) if free.tokens else (hybrid.NONE, 0)
     lag = len(state.tokens) - state.draft.position  # what the draft model would catch up on first
+    exit_s = hybrid.stream_exit_time(policy.estimates, UNDRAFTED_RUN) if streaming else 0.0
     return hybrid.choose(request.drafter, policy.estimates, request.policy, k if model else 0, free.scores, lag,
-                         remaining, probe=policy.mode == PLAIN)
+                         remaining, probe=policy.mode == PLAIN, exit_s=exit_s)
 
 
 def _model_drafts(turn: _Turn, progress: _Progress) -> bool:

@@ -12,6 +12,9 @@ from specd.contracts import SamplingParams
 from specd.loop import Finished, GenerationRequest, RoundRecord, Services, generate
 from specd.model_free import SuffixDrafter
 from specd.policy import Estimates, PolicyConfig, PolicyState, RoundObservation, hybrid, inherit
+from specd.loop import UNDRAFTED_RUN
+from specd.policy import cost
+from specd.policy.cost import verify_time
 from specd.policy.learning import learn_offer
 from specd.stopping import StopRules
 from tests.fakes import FakeDrafter, FakeStore, FakeVerifier, target_alone, target_rule
@@ -154,6 +157,41 @@ def test_under_load_a_probe_is_priced_like_any_round_with_its_catch_up_paid_by_t
     assert hybrid.choose(hybrid.AUTO, alone, CONFIG, 1, [], lag=60, remaining=100, probe=True) == (hybrid.MODEL, 1)
     assert hybrid.choose(hybrid.AUTO, loaded, CONFIG, 1, [], lag=60, remaining=100, probe=True) == (hybrid.NONE, 0)
     assert hybrid.catch_up_time(loaded, 60) > 7 * hybrid.catch_up_time(alone, 60)
+
+
+def test_under_load_a_draft_is_priced_by_the_pass_it_joins_and_the_wait_it_adds_to_the_others():
+    """Eight sessions in a pass of 8 positions (85 ms): one more position takes it over a tile step
+    (105 ms), which all eight wait for. A one-token model-free draft at 0.9 does not repay that, though
+    priced as the line through passes of 16 positions (all eight drafting one) it looked as if it
+    would (138 ms for 1.9 tokens each). Alone, the same draft pays."""
+    table = tuple((rows - 1, ms / 1e3) for rows, ms in LOADED_PASS.items())
+    alone = Estimates(alpha=0.7, draft_step_s=0.017, verify_s=table, rtt_s=0.011, stream_s=0.003, observations=50)
+    loaded = replace(alone, batch=8.0)
+    assert verify_time(loaded, 1) == pytest.approx(0.105 + 7 * (0.105 - 0.085))
+    assert 1.9 / (LOADED_PASS[16] / 1e3 + 0.011) > 1 / cost.plain_time(loaded)  # the old price: it pays
+    assert hybrid.choose(hybrid.FREE, loaded, CONFIG, 0, [0.9]) == (hybrid.NONE, 0)
+    assert hybrid.choose(hybrid.FREE, alone, CONFIG, 0, [0.9]) == (hybrid.FREE, 1)
+
+
+def test_where_the_table_is_a_line_the_pass_a_draft_joins_costs_as_if_every_session_drafted_alike():
+    line = Estimates(alpha=0.7, draft_step_s=0.017, verify_s=tuple((k, 0.04 + 0.006 * k) for k in range(40)),
+                     rtt_s=0.01, observations=50, batch=8.0)
+    for k in range(4):
+        assert verify_time(line, k) == pytest.approx(cost.pass_time(line, 8 * (k + 1) - 1))
+
+
+def test_a_draft_that_stops_a_stream_pays_for_the_step_calls_until_it_reopens():
+    """Under load a turn streams its plain steps (a 3 ms gap each, where a Step call costs 11 ms);
+    drafting stops the stream, and the plain steps after the draft are calls until it reopens. A
+    draft that pays as a call does not always pay for that."""
+    table = tuple((rows - 1, ms / 1e3) for rows, ms in LOADED_PASS.items())
+    loaded = Estimates(alpha=0.7, draft_step_s=0.017, verify_s=table, rtt_s=0.011, stream_s=0.003,
+                       observations=50, batch=2.0)
+    exit_s = hybrid.stream_exit_time(loaded, UNDRAFTED_RUN)
+    assert exit_s == pytest.approx(UNDRAFTED_RUN * 0.008)
+    assert hybrid.choose(hybrid.AUTO, loaded, CONFIG, 0, [0.6]) == (hybrid.FREE, 1)
+    assert hybrid.choose(hybrid.AUTO, loaded, CONFIG, 0, [0.6], exit_s=exit_s) == (hybrid.NONE, 0)
+    assert hybrid.stream_exit_time(replace(loaded, stream_s=None), UNDRAFTED_RUN) == 0.0  # nothing streamed
 
 
 def test_a_key_whose_last_request_fell_back_probes_and_speculates_on_text_its_draft_knows():

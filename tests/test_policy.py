@@ -108,9 +108,10 @@ def test_verify_time_with_one_point_uses_the_prior_slope():
     assert verify_time(est, 2) == pytest.approx(0.45)
 
 
-def test_verify_time_fit_never_slopes_down_nor_goes_below_a_batched_pass():
+def test_verify_time_never_falls_with_positions_nor_goes_below_a_batched_pass():
     noisy = Estimates(verify_s=((2, 0.5), (4, 0.45)))  # timing noise: more positions looked cheaper
-    assert verify_time(noisy, 8) == pytest.approx(0.475)  # flat, not extrapolated downwards
+    assert verify_time(noisy, 4) == pytest.approx(0.5)  # measured, but not below a pass of fewer positions
+    assert verify_time(noisy, 8) == pytest.approx(0.5)  # the fit is flat (0.475), not extrapolated downwards
     steep = Estimates(verify_s=((1, 0.1), (3, 1.0)))  # the line would give a negative verify(0)
     assert verify_time(steep, 0) == pytest.approx(1.0 / 4)  # 4 positions cost at most 4 single steps
 

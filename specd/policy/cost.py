@@ -24,11 +24,18 @@ def expected_tokens(alpha: float, k: int) -> float:
 
 
 def verify_time(est: Estimates, k: int) -> float | None:
-    """Target compute for a round with K drafts, priced as the pass it joins: `est.batch` sessions
-    that each draft as this one does (vLLM's batch size -> K table, learnt): B·(K + 1) positions.
-    Alone, that is verify(K). A session's extra rows cost every session of the pass, so a round is
-    not priced at its own rows on top of the others' (each would then speculate where all lose)."""
-    return pass_time(est, batch_sessions(est) * (k + 1) - 1)
+    """Target compute for a round with K drafts, priced as the pass it joins: its K + 1 positions
+    beside the plain steps of the B - 1 other sessions in it (`est.batch`), plus what its K extra
+    positions cost each of them, who wait for them: T(B - 1 + K) + (B - 1)·(T(B - 1 + K) - T(B - 1)),
+    T the pass by positions - 1. Alone, that is verify(K). Were T a line, this would be the pass of
+    B sessions that each draft K (vLLM's batch size -> K table, learnt); where the table steps up (a
+    new row tile) it is the step this round's rows take. A round priced at its own rows alone would
+    speculate where the batch loses."""
+    others = batch_sessions(est) - 1
+    joined = pass_time(est, others + k)
+    if others == 0 or joined is None:
+        return joined
+    return joined + others * (joined - pass_time(est, others))
 
 
 def batch_sessions(est: Estimates) -> int:
@@ -38,8 +45,9 @@ def batch_sessions(est: Estimates) -> int:
 def pass_time(est: Estimates, k: int) -> float | None:
     """Target compute of a pass of k + 1 positions: the measurement when k was measured, else a
     least-squares line through the measured k (slope >= 0: more positions never cost less),
-    or PRIOR_SLOPE through a single point. Never below what a batched pass can cost: k + 1
-    positions at once cost at most k + 1 times one position. None when nothing is measured.
+    or PRIOR_SLOPE through a single point. Never below a measured pass of fewer positions, nor
+    below what a batched pass can cost: k + 1 positions at once cost at most k + 1 times one
+    position. None when nothing is measured.
     Derived once per estimates and k."""
     return _derived(est, ("pass", k), lambda: _pass_time(est, k))
 
@@ -54,13 +62,14 @@ def _derived(est: Estimates, key: tuple, compute: Callable[[], T]) -> T:
 
 def _pass_time(est: Estimates, k: int) -> float | None:
     points = _derived(est, ("points",), lambda: dict(est.verify_s))
-    if k in points:
-        return points[k]
     if not points:
         return None
+    below = max((t for km, t in points.items() if km < k), default=0.0)  # noise must not make more positions cheaper
+    if k in points:
+        return max(points[k], below)
     slope, intercept = _fit(est.verify_s)
     floor = max((t * (k + 1) / (km + 1) for km, t in points.items() if km > k), default=0.0)
-    return max(intercept + slope * k, floor)
+    return max(intercept + slope * k, floor, below)
 
 
 @functools.lru_cache(maxsize=64)  # a round prices every K against the same points

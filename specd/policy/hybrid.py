@@ -33,26 +33,36 @@ def free_expected(est: Estimates, scores: Sequence[float], m: int) -> float:
     return sum(min(1.0, c * s) for s in scores[:m])
 
 
-def free_choice(est: Estimates, scores: Sequence[float]) -> tuple[int, float]:
-    """(m, tokens/s) of the best prefix of a model-free draft (m = 0: none of it pays)."""
-    return _free_choice(est, tuple(scores))
+def free_choice(est: Estimates, scores: Sequence[float], exit_s: float = 0.0) -> tuple[int, float]:
+    """(m, tokens/s) of the best prefix of a model-free draft (m = 0: none of it pays); `exit_s`: what
+    leaving a stream of plain steps adds to a drafting round (`stream_exit_time`)."""
+    return _free_choice(est, tuple(scores), exit_s)
 
 
 @functools.lru_cache(maxsize=64)  # a round weighs its draft twice: for its choice and for P (free_offered)
-def _free_choice(est: Estimates, scores: tuple[float, ...]) -> tuple[int, float]:
+def _free_choice(est: Estimates, scores: tuple[float, ...], exit_s: float) -> tuple[int, float]:
     if not scores or not is_measured(est):
         m = len(scores) if free_expected(est, scores, len(scores)) >= UNMEASURED_MIN_EXPECTED else 0
         return m, math.nan
-    rates = [(0, 1 / plain_time(est))] + [(m, (1 + free_expected(est, scores, m)) / (verify_time(est, m) + est.rtt_s))
-                                          for m in range(1, len(scores) + 1)]
+    rates = [(0, 1 / plain_time(est))] + [
+        (m, (1 + free_expected(est, scores, m)) / (verify_time(est, m) + est.rtt_s + exit_s))
+        for m in range(1, len(scores) + 1)]
     return max(rates, key=lambda mr: (mr[1], -mr[0]))
 
 
+def stream_exit_time(est: Estimates, calls: int) -> float:
+    """What a drafting round adds when it stops a stream of plain steps: the `calls` plain steps after
+    it are Step calls until a stream reopens, each a round trip where a streamed step costs only the
+    stream's gap (cost.plain_time)."""
+    return 0.0 if est.stream_s is None else calls * max(0.0, est.rtt_s - est.stream_s)
+
+
 def choose(drafter: str, est: Estimates, config: PolicyConfig, k: int, scores: Sequence[float],
-           lag: int = 0, remaining: int = 1, probe: bool = False) -> tuple[str, int]:
+           lag: int = 0, remaining: int = 1, probe: bool = False, exit_s: float = 0.0) -> tuple[str, int]:
     """(the round's drafter, its draft length) from the request's `drafter`, the policy's K for the
     draft model (0: plain step or no draft model), a model-free draft's scores, and for `auto` the
     committed tokens the draft model lacks (`lag`) and the tokens the request may still make.
+    `exit_s`: what a drafting round adds by stopping the stream of plain steps the turn is in.
     A `probe` (plain mode's test of the draft model) of a session alone goes to the draft model: it is
     there to measure α on this text, and pricing it by the α it is to measure would keep it from ever
     running. Under load it is priced like any round: its catch-up stalls every session of the pass."""
@@ -60,10 +70,10 @@ def choose(drafter: str, est: Estimates, config: PolicyConfig, k: int, scores: S
         return NONE, 0
     if drafter == MODEL or (probe and drafter == AUTO and k > 0 and batch_sessions(est) == 1):
         return (MODEL, k) if k > 0 else (NONE, 0)
-    m, free_rate = free_choice(est, scores)
+    m, free_rate = free_choice(est, scores, exit_s)
     if drafter == FREE:
         return (FREE, m) if m > 0 else (NONE, 0)
-    rate = model_rate(est, k, lag, remaining) if k > 0 and is_measured(est) else math.nan
+    rate = model_rate(est, k, lag, remaining, exit_s) if k > 0 and is_measured(est) else math.nan
     if lag > CAUGHT_UP and not math.isnan(rate) and rate < 1 / plain_time(est):
         k = 0  # the draft model's catch-up does not pay back in what is left of this request
     if m == 0:  # auto, and no model-free draft pays
@@ -81,17 +91,17 @@ def free_offered(est: Estimates, scores: Sequence[float], k: int) -> bool:
     return free_rate >= model_rate(est, k, 0, 1)
 
 
-def model_rate(est: Estimates, k: int, lag: int, remaining: int) -> float:
+def model_rate(est: Estimates, k: int, lag: int, remaining: int, exit_s: float = 0.0) -> float:
     """Tokens a second of the draft model at K, its catch-up included: a draft that lacks more than
     the round's own tokens (a new prompt, rounds another drafter took) first runs a pass over them,
     paid once and shared by the rounds it then serves, E(α, K) tokens each. Those rounds last until
     the request ends or the model-free drafter takes a round (the draft model then lags again), in
     1 / P rounds where P is the share of rounds it would take from a caught-up draft model: a
-    round's share of the catch-up is the larger of E / `remaining` and P."""
+    round's share of the catch-up is the larger of E / `remaining` and P. `exit_s`: as `choose`'s."""
     tokens = expected_tokens(est.alpha, k)
     share = min(1.0, max(tokens / max(remaining, 1), est.free_offer_rate))
     catch_up = catch_up_time(est, lag) * share if lag > CAUGHT_UP else 0.0
-    return tokens / (round_time(est, k) + catch_up)
+    return tokens / (round_time(est, k) + catch_up + exit_s)
 
 
 def catch_up_time(est: Estimates, lag: int) -> float:
