@@ -24,18 +24,20 @@ def expected_tokens(alpha: float, k: int) -> float:
 
 
 def verify_time(est: Estimates, k: int) -> float | None:
-    """Target compute for a round with K drafts, priced as the pass it joins: its K + 1 positions
-    beside the plain steps of the B - 1 other sessions in it (`est.batch`), plus what its K extra
-    positions cost each of them, who wait for them: T(B - 1 + K) + (B - 1)·(T(B - 1 + K) - T(B - 1)),
-    T the pass by positions - 1. Alone, that is verify(K). Were T a line, this would be the pass of
-    B sessions that each draft K (vLLM's batch size -> K table, learnt); where the table steps up (a
-    new row tile) it is the step this round's rows take. A round priced at its own rows alone would
-    speculate where the batch loses."""
-    others = batch_sessions(est) - 1
-    joined = pass_time(est, others + k)
-    if others == 0 or joined is None:
-        return joined
-    return joined + others * (joined - pass_time(est, others))
+    """Target compute for a round with K drafts, priced as the pass it joins, in two ways, the dearer
+    taken: as B sessions (`est.batch`) that each draft K, B·(K + 1) positions (vLLM's batch size -> K
+    table, learnt); and as its K + 1 positions beside the B - 1 others' plain steps plus what its K
+    extra positions cost each of them, who wait for them: T(B - 1 + K) + (B - 1)·(T(B - 1 + K) - T(B - 1)),
+    T the pass by positions - 1. Alone, both are verify(K); were T a line, they would agree. The first
+    spans many positions, so one stale or noisy pass cannot make drafts look free; the second sees a
+    step in T (a new row tile) that a line through the larger passes smooths away. A round priced
+    at its own rows alone would speculate where the batch loses."""
+    batch = batch_sessions(est)
+    alike = pass_time(est, batch * (k + 1) - 1)
+    joined = pass_time(est, batch - 1 + k)
+    if batch == 1 or alike is None:
+        return alike
+    return max(alike, joined + (batch - 1) * (joined - pass_time(est, batch - 1)))
 
 
 def batch_sessions(est: Estimates) -> int:
