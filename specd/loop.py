@@ -442,7 +442,7 @@ def _drafter(request: GenerationRequest, state: SessionState, k: int, free: Draf
     """Who drafts this round, and how many tokens (`model`: there is a draft model). A pinned K is
     the draft model's, unless the request asked for the model-free drafter, whose draft it then caps.
     A turn `streaming` its plain steps prices a draft with the Step calls it costs before the stream
-    reopens (UNDRAFTED_RUN)."""
+    reopens: in plain mode the next plain round's, else UNDRAFTED_RUN (`_stretch_steps`)."""
     policy = state.policy
     if request.fixed_k is not None and request.drafter != hybrid.FREE:
         return (hybrid.MODEL, k) if k > 0 and model and request.drafter != hybrid.NONE else (hybrid.NONE, 0)
@@ -450,7 +450,8 @@ def _drafter(request: GenerationRequest, state: SessionState, k: int, free: Draf
         free = Draft(free.tokens[:k], free.scores[:k], free.match)
         return (hybrid.FREE, len(free.tokens)) if free.tokens else (hybrid.NONE, 0)
     lag = len(state.tokens) - state.draft.position  # what the draft model would catch up on first
-    exit_s = hybrid.stream_exit_time(policy.estimates, UNDRAFTED_RUN) if streaming else 0.0
+    calls = 1 if policy.mode == PLAIN else UNDRAFTED_RUN
+    exit_s = hybrid.stream_exit_time(policy.estimates, calls) if streaming else 0.0
     return hybrid.choose(request.drafter, policy.estimates, request.policy, k if model else 0, free.scores, lag,
                          remaining, probe=policy.mode == PLAIN, exit_s=exit_s)
 

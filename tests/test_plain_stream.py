@@ -95,6 +95,27 @@ def test_a_model_free_draft_stops_the_stream_and_takes_the_step_in_flight():
     assert verifier.calls == decoder.steps + len(free)
 
 
+def test_a_draft_that_would_not_pay_for_leaving_the_stream_leaves_it_running(monkeypatch):
+    """The same repeating text with measured timings: its model-free drafts pay and stop the stream;
+    priced with leaving the stream at a second per Step call until it reopens, none pays, and the
+    turn streams to its end."""
+    measured = PolicyState(estimates=Estimates(draft_step_s=0.01, verify_s=tuple((k, 0.03 + 0.002 * k) for k in range(9)),
+                                               rtt_s=0.001, observations=20))
+
+    def drafts() -> tuple[list[RoundRecord], FakeDecoder]:
+        verifier, records = FakeVerifier(repeating), []
+        decoder = FakeDecoder(verifier)
+        done = run(plain(60, drafter=hybrid.AUTO, prompt=LONG_PROMPT, fixed_k=None), verifier, decoder,
+                   model_free=SuffixDrafter(), store=FakeStore(learned=measured), records=records)[-1]
+        assert list(done.token_ids) == scripted_alone(LONG_PROMPT, 60, repeating)
+        return [r for r in records if r.drafter == hybrid.FREE], decoder
+
+    assert drafts()[0]
+    monkeypatch.setattr(hybrid, "stream_exit_time", lambda est, calls: 1.0 * calls)
+    free, decoder = drafts()
+    assert not free and decoder.opened == 1
+
+
 def nothing_to_draft(batch_size: int) -> tuple[FakeVerifier, FakeDecoder]:
     """Speculation on, but nothing to draft (the model-free drafter alone, and the text never repeats;
     under load, a draft model whose catch-up does not pay): 30 tokens, every round choosing none."""
