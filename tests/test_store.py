@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from services.common.redis_server import LocalRedis
-from services.coordinator.store import RedisSessionStore, decode_state, encode_state
+from services.coordinator.store import RedisSessionStore, decode_state, encode_state, to_jsonable
 from specd.policy import PLAIN, Estimates, PolicyState
 from specd.session import Fenced, ServiceCursor, SessionNotFound, SessionState, SessionStats
 
@@ -226,6 +226,8 @@ def test_codec_round_trips_any_state(state):
     decoded = decode_state(state.session_id, encode_state(state).encode(), b"")
     # repr, not ==: it tells 1 from 1.0 and a tuple from a list, and NaN equals itself in it.
     assert repr(decoded) == repr(dataclasses.replace(state, tokens=()))
+    # the encoder writes what dataclasses.asdict would, which states saved by earlier versions hold
+    assert repr(to_jsonable(state)) == repr(json.loads(json.dumps(dataclasses.asdict(state))))
 
 
 def test_codec_ignores_unknown_keys_and_defaults_missing_ones():
