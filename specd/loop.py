@@ -524,6 +524,7 @@ def _observation(k: int, accepted: int, drafting: _Called | None, verifying: _Ca
         target_shared=verifying.reply.batch_size > 1,
         batch_size=verifying.reply.batch_size,
         pass_rows=verifying.reply.pass_rows,
+        wall_s=verifying.wall_s,
     )
 
 

@@ -11,7 +11,7 @@ import pytest
 from specd.contracts import SamplingParams
 from specd.loop import Finished, GenerationRequest, RoundRecord, Services, generate
 from specd.model_free import SuffixDrafter
-from specd.policy import Estimates, PolicyConfig, PolicyState, RoundObservation, hybrid, inherit
+from specd.policy import Estimates, PolicyConfig, PolicyState, RoundObservation, hybrid, inherit, observe
 from specd.loop import UNDRAFTED_RUN
 from specd.policy import cost
 from specd.policy.cost import verify_time
@@ -192,6 +192,19 @@ def test_a_draft_that_stops_a_stream_pays_for_the_step_calls_until_it_reopens():
     assert hybrid.choose(hybrid.AUTO, loaded, CONFIG, 0, [0.6]) == (hybrid.FREE, 1)
     assert hybrid.choose(hybrid.AUTO, loaded, CONFIG, 0, [0.6], exit_s=exit_s) == (hybrid.NONE, 0)
     assert hybrid.stream_exit_time(replace(loaded, stream_s=None), UNDRAFTED_RUN) == 0.0  # nothing streamed
+
+
+def test_leaving_a_stream_is_priced_by_the_walls_of_warm_plain_calls_and_streamed_steps():
+    """Sixteen sessions, eight a pass: a warm plain Step call took 440 ms, its wait for a pass behind the
+    streams included, where a streamed step took 185 ms; the round trips alone (11 against 3 ms) said
+    8 ms. The walls are learnt from warm plain rounds only: not a prefill, not a drafting round."""
+    state = PolicyState(estimates=Estimates(rtt_s=0.011, stream_s=0.003, observations=5))
+    call = RoundObservation(k=0, accepted=0, draft_s=0.0, verify_s=0.118, rtt_s=0.011, batch_size=8, wall_s=0.44)
+    for obs in (call, replace(call, streamed=True, wall_s=0.185), replace(call, target_cold=True, wall_s=2.4),
+                replace(call, k=2, accepted=1, wall_s=0.39)):
+        state = observe(state, obs, CONFIG)
+    assert (state.estimates.plain_call_s, state.estimates.plain_streamed_s) == (0.44, 0.185)
+    assert hybrid.stream_exit_time(state.estimates, UNDRAFTED_RUN) == pytest.approx(UNDRAFTED_RUN * 0.255)
 
 
 def test_a_key_whose_last_request_fell_back_probes_and_speculates_on_text_its_draft_knows():

@@ -57,6 +57,7 @@ class RoundObservation:
     pass_rows: int = 0  # positions that pass fed, every session's: what verify_s paid for (0: not reported)
     streamed: bool = False  # a plain step of a Decode stream: no RPC of its own, so rtt_s says nothing
     free_offered: bool | None = None  # the model-free drafter would take the round from a caught-up draft model (None: not weighed)
+    wall_s: float = 0.0  # the target's reply as the loop waited for it (a streamed step: since the last reply)
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,10 @@ class Estimates:
     verify_s: tuple[tuple[int, float], ...] = ()
     rtt_s: float = 0.0  # per RPC: wall time minus service compute
     stream_s: float | None = None  # a streamed plain step's wall beyond its pass (None: none streamed yet)
+    # a warm plain step's whole wall, as a Step call and as a streamed step: under load a call also waits
+    # for a pass behind the streams (hybrid.stream_exit_time)
+    plain_call_s: float | None = None
+    plain_streamed_s: float | None = None
     observations: int = 0
     accepted_count: float = 0.0  # decayed count of accepted drafts; alpha = accepted_count / tested_count
     tested_count: float = 0.0  # decayed count of drafts the target judged (accepted + 1 unless all passed)

@@ -52,8 +52,11 @@ def _free_choice(est: Estimates, scores: tuple[float, ...], exit_s: float) -> tu
 
 def stream_exit_time(est: Estimates, calls: int) -> float:
     """What a drafting round adds when it stops a stream of plain steps: the `calls` plain steps after
-    it are Step calls until a stream reopens, each a round trip where a streamed step costs only the
-    stream's gap (cost.plain_time)."""
+    it are Step calls until a stream reopens, each a warm plain call's wall where a streamed step took
+    its own (under load a call waits for a pass behind the streams). Before both were timed, each call's
+    round trip where a streamed step costs only the stream's gap."""
+    if est.plain_call_s is not None and est.plain_streamed_s is not None:
+        return calls * max(0.0, est.plain_call_s - est.plain_streamed_s)
     return 0.0 if est.stream_s is None else calls * max(0.0, est.rtt_s - est.stream_s)
 
 

@@ -35,8 +35,15 @@ def learn(
         stream = obs.rtt_s if stream is None else _ewma(stream, obs.rtt_s, w)
     else:
         rtt = obs.rtt_s if est.observations == 0 else _ewma(est.rtt_s, obs.rtt_s, w)
+    call, streamed = est.plain_call_s, est.plain_streamed_s
+    if obs.k == 0 and not target_cold and obs.wall_s > 0:
+        if obs.streamed:
+            streamed = obs.wall_s if streamed is None else _ewma(streamed, obs.wall_s, w)
+        else:
+            call = obs.wall_s if call is None else _ewma(call, obs.wall_s, w)
     est = learn_offer(learn_pass(est, obs, w, target_cold), obs, config.alpha_window)
     return replace(est, alpha=alpha, draft_step_s=draft_step, draft_batched=batched, rtt_s=rtt, stream_s=stream,
+                   plain_call_s=call, plain_streamed_s=streamed,
                    observations=est.observations + 1, accepted_count=accepted_count, tested_count=tested_count,
                    judged=est.judged + judged)
 
