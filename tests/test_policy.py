@@ -33,6 +33,7 @@ from specd.policy import (
     should_fall_back,
     verify_time,
 )
+from specd.policy.cost import pass_time
 
 CONFIG = PolicyConfig()
 DRAFT_STEP, PLAIN_STEP, RTT = 0.1, 0.4, 0.001
@@ -114,6 +115,21 @@ def test_verify_time_never_falls_with_positions_nor_goes_below_a_batched_pass():
     assert verify_time(noisy, 8) == pytest.approx(0.5)  # the fit is flat (0.475), not extrapolated downwards
     steep = Estimates(verify_s=((1, 0.1), (3, 1.0)))  # the line would give a negative verify(0)
     assert verify_time(steep, 0) == pytest.approx(1.0 / 4)  # 4 positions cost at most 4 single steps
+
+
+def test_a_noisy_pass_table_reads_as_no_cheaper_with_more_positions():
+    """Tables learnt under load, every measured pass jittered: priced at any number of positions, a
+    pass costs no less than any measured pass of fewer, and a measurement above every such pass is
+    read as is."""
+    rng = random.Random(7)
+    for _ in range(50):
+        table = tuple(sorted({rng.randrange(40): 0.04 + 0.006 * k + rng.uniform(-0.02, 0.02) for k in range(25)}.items()))
+        est = Estimates(verify_s=table)
+        for k in range(45):
+            assert pass_time(est, k) >= max((t for km, t in table if km < k), default=0.0)
+        for k, t in table:
+            if all(t >= u for km, u in table if km < k):
+                assert pass_time(est, k) == t
 
 
 def test_predicted_speedup_by_hand():

@@ -3,7 +3,9 @@ decisions read off it (the best K, falling back). Formulas and rationale: docs/p
 
 from __future__ import annotations
 
+import bisect
 import functools
+import itertools
 import math
 from typing import Callable, TypeVar
 
@@ -66,12 +68,25 @@ def _pass_time(est: Estimates, k: int) -> float | None:
     points = _derived(est, ("points",), lambda: dict(est.verify_s))
     if not points:
         return None
-    below = max((t for km, t in points.items() if km < k), default=0.0)  # noise must not make more positions cheaper
+    below = _dearest_below(est, k)  # noise must not make more positions cheaper
     if k in points:
         return max(points[k], below)
     slope, intercept = _fit(est.verify_s)
     floor = max((t * (k + 1) / (km + 1) for km, t in points.items() if km > k), default=0.0)
     return max(intercept + slope * k, floor, below)
+
+
+def _dearest_below(est: Estimates, k: int) -> float:
+    """The dearest measured pass of fewer than k + 1 positions (0.0: none): a running maximum over
+    the table, found by bisection (a round's decisions ask for it at every K they price)."""
+    ks, peaks = _derived(est, ("peaks",), lambda: _running_peaks(est.verify_s))
+    i = bisect.bisect_left(ks, k)
+    return peaks[i - 1] if i else 0.0
+
+
+def _running_peaks(verify_s: tuple[tuple[int, float], ...]) -> tuple[list[int], list[float]]:
+    ordered = sorted(verify_s)
+    return [km for km, _ in ordered], list(itertools.accumulate((t for _, t in ordered), max))
 
 
 @functools.lru_cache(maxsize=64)  # a round prices every K against the same points
