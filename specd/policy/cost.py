@@ -4,7 +4,6 @@ decisions read off it (the best K, falling back). Formulas and rationale: docs/p
 from __future__ import annotations
 
 import bisect
-import functools
 import itertools
 import math
 from typing import Callable, TypeVar
@@ -53,10 +52,10 @@ def pass_time(est: Estimates, k: int) -> float | None:
     below what a batched pass can cost: k + 1 positions at once cost at most k + 1 times one
     position. None when nothing is measured.
     Derived once per estimates and k."""
-    return _derived(est, ("pass", k), lambda: _pass_time(est, k))
+    return derived(est, ("pass", k), lambda: _pass_time(est, k))
 
 
-def _derived(est: Estimates, key: tuple, compute: Callable[[], T]) -> T:
+def derived(est: Estimates, key: tuple, compute: Callable[[], T]) -> T:
     """`compute()`, once per estimates and key (`Estimates.derived`)."""
     memo = est.derived
     if key not in memo:
@@ -65,13 +64,13 @@ def _derived(est: Estimates, key: tuple, compute: Callable[[], T]) -> T:
 
 
 def _pass_time(est: Estimates, k: int) -> float | None:
-    points = _derived(est, ("points",), lambda: dict(est.verify_s))
+    points = derived(est, ("points",), lambda: dict(est.verify_s))
     if not points:
         return None
     below = _dearest_below(est, k)  # noise must not make more positions cheaper
     if k in points:
         return max(points[k], below)
-    slope, intercept = _fit(est.verify_s)
+    slope, intercept = derived(est, ("fit",), lambda: _fit(points))
     floor = max((t * (k + 1) / (km + 1) for km, t in points.items() if km > k), default=0.0)
     return max(intercept + slope * k, floor, below)
 
@@ -79,7 +78,7 @@ def _pass_time(est: Estimates, k: int) -> float | None:
 def _dearest_below(est: Estimates, k: int) -> float:
     """The dearest measured pass of fewer than k + 1 positions (0.0: none): a running maximum over
     the table, found by bisection (a round's decisions ask for it at every K they price)."""
-    ks, peaks = _derived(est, ("peaks",), lambda: _running_peaks(est.verify_s))
+    ks, peaks = derived(est, ("peaks",), lambda: _running_peaks(est.verify_s))
     i = bisect.bisect_left(ks, k)
     return peaks[i - 1] if i else 0.0
 
@@ -89,10 +88,8 @@ def _running_peaks(verify_s: tuple[tuple[int, float], ...]) -> tuple[list[int], 
     return [km for km, _ in ordered], list(itertools.accumulate((t for _, t in ordered), max))
 
 
-@functools.lru_cache(maxsize=64)  # a round prices every K against the same points
-def _fit(measured: tuple[tuple[int, float], ...]) -> tuple[float, float]:
+def _fit(points: dict[int, float]) -> tuple[float, float]:
     """(slope, intercept) of verify time over K."""
-    points = dict(measured)
     if len(points) == 1:
         ((k1, t1),) = points.items()
         t0 = t1 / (1.0 + PRIOR_SLOPE * k1)
@@ -136,7 +133,7 @@ def draft_step(est: Estimates) -> float:
     """A draft step with B sessions in the passes: as measured at B, else the step measured at the
     nearest smaller B (or alone) grown as the target's pass grows from that many positions to B (both
     are passes over the same sessions' rows). Needs `is_measured(est)`."""
-    return _derived(est, ("draft_step",), lambda: _draft_step(est))
+    return derived(est, ("draft_step",), lambda: _draft_step(est))
 
 
 def _draft_step(est: Estimates) -> float:
@@ -157,7 +154,7 @@ def grown(est: Estimates, seconds: float, positions: int, to: int) -> float:
 def best_k(est: Estimates, config: PolicyConfig) -> tuple[int, float]:
     """(K, S(K)) maximising the predicted speedup over 1..max_k (just the fixed K when not
     adaptive); the smaller K on a tie. Before anything is measured: (the default K, nan)."""
-    return _derived(est, ("best_k", config), lambda: _best_k(est, config))
+    return derived(est, ("best_k", config), lambda: _best_k(est, config))
 
 
 def _best_k(est: Estimates, config: PolicyConfig) -> tuple[int, float]:

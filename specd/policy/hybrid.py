@@ -12,13 +12,13 @@ Rates, with T(0) the plain token (cost.plain_time: a Step call, or a step of a s
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Sequence
 from dataclasses import replace
 
 from specd.policy.base import PLAIN, Estimates, PolicyConfig, PolicyState, RoundObservation
-from specd.policy.cost import batch_sessions, expected_tokens, grown, is_measured, plain_time, round_time, verify_time
+from specd.policy.cost import (batch_sessions, derived, expected_tokens, grown, is_measured, plain_time, round_time,
+                               verify_time)
 from specd.policy.learning import learn_offer, learn_pass
 
 AUTO, MODEL, FREE, NONE = "auto", "model", "ngram", "none"
@@ -36,10 +36,10 @@ def free_expected(est: Estimates, scores: Sequence[float], m: int) -> float:
 def free_choice(est: Estimates, scores: Sequence[float], exit_s: float = 0.0) -> tuple[int, float]:
     """(m, tokens/s) of the best prefix of a model-free draft (m = 0: none of it pays); `exit_s`: what
     leaving a stream of plain steps adds to a drafting round (`stream_exit_time`)."""
-    return _free_choice(est, tuple(scores), exit_s)
+    scores = tuple(scores)  # a round weighs its draft twice: for its choice and for P (free_offered)
+    return derived(est, ("free", scores, exit_s), lambda: _free_choice(est, scores, exit_s))
 
 
-@functools.lru_cache(maxsize=64)  # a round weighs its draft twice: for its choice and for P (free_offered)
 def _free_choice(est: Estimates, scores: tuple[float, ...], exit_s: float) -> tuple[int, float]:
     if not scores or not is_measured(est):
         m = len(scores) if free_expected(est, scores, len(scores)) >= UNMEASURED_MIN_EXPECTED else 0

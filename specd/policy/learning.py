@@ -29,18 +29,18 @@ def learn(
         if obs.batch_size > 1 and draft_step is not None:
             batched = learn_verify(batched, obs.batch_size, step, w)
         else:
-            draft_step = step if draft_step is None else _ewma(draft_step, step, w)
+            draft_step = _timed(draft_step, step, w)
     rtt, stream = est.rtt_s, est.stream_s
     if obs.streamed:  # no call of its own: what a plain token costs beyond its pass where stretches stream
-        stream = obs.rtt_s if stream is None else _ewma(stream, obs.rtt_s, w)
+        stream = _timed(stream, obs.rtt_s, w)
     else:
         rtt = obs.rtt_s if est.observations == 0 else _ewma(est.rtt_s, obs.rtt_s, w)
     call, streamed = est.plain_call_s, est.plain_streamed_s
     if obs.k == 0 and not target_cold and obs.wall_s > 0:
         if obs.streamed:
-            streamed = obs.wall_s if streamed is None else _ewma(streamed, obs.wall_s, w)
+            streamed = _timed(streamed, obs.wall_s, w)
         else:
-            call = obs.wall_s if call is None else _ewma(call, obs.wall_s, w)
+            call = _timed(call, obs.wall_s, w)
     est = learn_offer(learn_pass(est, obs, w, target_cold), obs, config.alpha_window)
     return replace(est, alpha=alpha, draft_step_s=draft_step, draft_batched=batched, rtt_s=rtt, stream_s=stream,
                    plain_call_s=call, plain_streamed_s=streamed,
@@ -98,6 +98,11 @@ def learn_verify(verify_s: tuple[tuple[int, float], ...], k: int, seconds: float
 
 def _ewma(old: float, new: float, w: float) -> float:
     return old + w * (new - old)
+
+
+def _timed(old: float | None, new: float, w: float) -> float:
+    """A timing's EWMA; its first measurement is taken as is."""
+    return new if old is None else _ewma(old, new, w)
 
 
 def calibration_ks(config: PolicyConfig) -> tuple[int, ...]:
