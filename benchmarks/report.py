@@ -255,11 +255,18 @@ def quality(name: str) -> Callable[[Path], str]:
 
 # -- the other benchmarks -------------------------------------------------------------------------
 
+def _rows_label(run: dict, first: dict) -> str:
+    """The run's role, and how its build or host differs from the first run's."""
+    build = f" ({run['march']} build)" if run.get("march", "native") != "native" else ""
+    host = run["machine"]["vector_extensions"]
+    other = f" ({run['machine']['cpu']}, {'/'.join(host)} only)" if host != first["machine"]["vector_extensions"] else ""
+    return f"{run['role']} ms{build}{other}"
+
+
 def rows(results: Path) -> str:
-    runs = [load(results, "rows"), load(results, "rows_draft"), load(results, "rows_haswell")]
+    runs = [load(results, "rows"), load(results, "rows_draft"), load(results, "rows_haswell"), load(results, "rows_avx2")]
     counts = list(runs[0]["pass_s"])
-    body = [[f"{run['role']} ms" + (f" ({run['march']} build)" if run.get("march", "native") != "native" else ""),
-             *(f"{run['pass_s'][n] * 1e3:.1f}" for n in counts),
+    body = [[_rows_label(run, runs[0]), *(f"{run['pass_s'].get(n, float('nan')) * 1e3:.1f}" for n in counts),
              f"{run['llama_server_per_token_s'] * 1e3:.1f}" if "llama_server_per_token_s" in run else "—"]
             for run in runs]
     head = para(f"One pass of a session holding {runs[0]['context']} tokens, by rows fed ({runs[0]['machine']['cpu']}, "

@@ -6,7 +6,8 @@ count once, then again), so a slow minute of this shared host hits them all alik
                                         [--llama-server PATH]
 
 Writes benchmarks/results/rows.json (rows_draft.json; SPECD_MARCH=haswell adds _haswell: the AVX2
-build on this host): per row count the median pass time; with
+build on this host; `--name` another name, e.g. rows_avx2 for an AVX2-only host): per row count the
+median pass time; with
 `--llama-server`, also llama.cpp's own decoding time per token on the same file and threads (its
 `predicted_per_token_ms`, generating LLAMA_TOKENS after the same held tokens), measured after ours.
 """
@@ -82,6 +83,7 @@ def main() -> None:
     parser.add_argument("--role", default="target", choices=("target", "draft"))
     parser.add_argument("--model", type=Path, help="a GGUF file (default: the role's fetched file)")
     parser.add_argument("--llama-server", type=Path, help="llama.cpp's llama-server: its time per token too")
+    parser.add_argument("--name", help="the result's name (default rows, rows_draft, rows_<march>)")
     args = parser.parse_args()
     path = args.model or model_path(args.role)
     engine = holding_context(ModelEngine(EngineConfig(path, threads=args.threads, quantize="auto")))
@@ -95,7 +97,8 @@ def main() -> None:
         del engine  # its cores and memory back before llama-server starts
         result["llama_server_per_token_s"] = llama_per_token_s(args.llama_server, path, args.threads, args.repeats)
     print(result)
-    name = "rows" + ("" if args.role == "target" else "_draft") + ("" if result["march"] == native.NATIVE else f"_{result['march']}")
+    name = args.name or ("rows" + ("" if args.role == "target" else "_draft")
+                         + ("" if result["march"] == native.NATIVE else f"_{result['march']}"))
     print(f"wrote {write(name, result)}")
 
 

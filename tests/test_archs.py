@@ -35,6 +35,15 @@ def test_f32_logits_equal_transformers(tmp_path, arch):
     torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-4)
 
 
+def test_a_head_dim_off_the_attention_s_four_chunk_stride_equals_transformers(tmp_path):
+    """Attention sums a head's values 32 columns at a time and the rest 8 at a time: head_dim 40
+    takes both paths (every tiny arch above has a multiple of 32)."""
+    path = write_tiny(tmp_path / "llama.gguf", "llama", "F32", head_dim=40)
+    model = GGUFModel(path)
+    ours = model.forward([model.new_cache()], [PROMPT], [len(PROMPT)])[0]
+    torch.testing.assert_close(ours, hf_logits(path, PROMPT), rtol=0, atol=1e-4)
+
+
 def _steps(model: GGUFModel, prefix: list[int], tokens: list[int]) -> torch.Tensor:
     cache = model.new_cache()
     model.forward([cache], [prefix], [1])

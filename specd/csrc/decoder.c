@@ -103,29 +103,69 @@ static inline float hsum256(__m256 v)
     return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
 }
 
-/* One query head against keys and values [L, dim] (the row's window, its own last). */
+/* q . k_j over dim for 4 keys at once: four independent chains (one would wait on each fma's
+ * latency), each key's sum in the same order as alone. */
+static inline void scores4(const float *q, const float *k, int64_t dim, float *s)
+{
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t i = 0; i < dim; i += 8) {
+        const __m256 x = _mm256_loadu_ps(q + i);
+        a0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + i), a0);
+        a1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + dim + i), a1);
+        a2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 2 * dim + i), a2);
+        a3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 3 * dim + i), a3);
+    }
+    s[0] = hsum256(a0), s[1] = hsum256(a1), s[2] = hsum256(a2), s[3] = hsum256(a3);
+}
+
+static inline float score1(const float *q, const float *k, int64_t dim)
+{
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < dim; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(k + i), acc);
+    return hsum256(acc);
+}
+
+/* One query head against keys and values [L, dim] (the row's window, its own last). Every sum
+ * runs in index order whatever L, dim or the row's batch. */
 static void attend(const float *q, const float *k, const float *v, int64_t L, int64_t dim, float scale, float cap,
                    float *p, float *out)
 {
+    int64_t j = 0;
+    for (; j + 4 <= L; j += 4) scores4(q, k + j * dim, dim, p + j);
+    for (; j < L; j++) p[j] = score1(q, k + j * dim, dim);
     float top = -INFINITY;
-    for (int64_t j = 0; j < L; j++) {
-        __m256 acc = _mm256_setzero_ps();
-        for (int64_t i = 0; i < dim; i += 8)
-            acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(k + j * dim + i), acc);
-        float s = hsum256(acc) * scale;
+    for (j = 0; j < L; j++) {
+        float s = p[j] * scale;
         if (cap > 0.0f) s = cap * tanhf(s / cap);
         p[j] = s;
         top = fmaxf(top, s);
     }
     float total = 0.0f;
-    for (int64_t j = 0; j < L; j++) {
+    for (j = 0; j < L; j++) {
         p[j] = expf(p[j] - top);
         total += p[j];
     }
-    for (int64_t i = 0; i < dim; i += 8) {
+    const __m256 norm = _mm256_set1_ps(total);
+    int64_t i = 0;
+    for (; i + 32 <= dim; i += 32) { /* four output chunks at once, each summed over j in order */
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (j = 0; j < L; j++) {
+            const __m256 w = _mm256_set1_ps(p[j]);
+            const float *vj = v + j * dim + i;
+            a0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vj), a0);
+            a1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vj + 8), a1);
+            a2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vj + 16), a2);
+            a3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vj + 24), a3);
+        }
+        _mm256_storeu_ps(out + i, _mm256_div_ps(a0, norm));
+        _mm256_storeu_ps(out + i + 8, _mm256_div_ps(a1, norm));
+        _mm256_storeu_ps(out + i + 16, _mm256_div_ps(a2, norm));
+        _mm256_storeu_ps(out + i + 24, _mm256_div_ps(a3, norm));
+    }
+    for (; i < dim; i += 8) {
         __m256 acc = _mm256_setzero_ps();
-        for (int64_t j = 0; j < L; j++) acc = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(v + j * dim + i), acc);
-        _mm256_storeu_ps(out + i, _mm256_div_ps(acc, _mm256_set1_ps(total)));
+        for (j = 0; j < L; j++) acc = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(v + j * dim + i), acc);
+        _mm256_storeu_ps(out + i, _mm256_div_ps(acc, norm));
     }
 }
 
@@ -219,8 +259,12 @@ static void feed_forward(const gg_model *m, const gg_layer *L, acts *a, int64_t 
         for (int64_t r = 0; r < R; r++) memcpy(gate_up + r * 2 * I + I, part + r * I, sizeof(float) * I);
         free(part);
     }
-    for (int64_t r = 0; r < R; r++)
-        for (int64_t i = 0; i < I; i++) mid[r * I + i] = gate_act(gate_up[r * 2 * I + i], m->gelu) * gate_up[r * 2 * I + I + i];
+    /* each value on its own (an exp and a division apiece, a pass's largest serial part otherwise) */
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (int64_t ri = 0; ri < R * I; ri++) {
+        const int64_t r = ri / I, i = ri % I;
+        mid[ri] = gate_act(gate_up[r * 2 * I + i], m->gelu) * gate_up[r * 2 * I + I + i];
+    }
     acts b;
     b.buf[0] = a->buf[0], b.buf[1] = a->buf[1], b.buf[2] = a->buf[2];
     acts_reset(&b, mid, R, I);
