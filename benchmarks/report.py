@@ -264,7 +264,7 @@ def _rows_label(run: dict, first: dict) -> str:
 
 
 def rows(results: Path) -> str:
-    runs = [load(results, "rows"), load(results, "rows_draft"), load(results, "rows_haswell"), load(results, "rows_avx2")]
+    runs = [load(results, name) for name in ("rows", "rows_draft", "rows_haswell", "rows_avx2", "rows_draft_avx2")]
     counts = list(runs[0]["pass_s"])
     body = [[_rows_label(run, runs[0]), *(f"{run['pass_s'].get(n, float('nan')) * 1e3:.1f}" for n in counts),
              f"{run['llama_server_per_token_s'] * 1e3:.1f}" if "llama_server_per_token_s" in run else "—"]

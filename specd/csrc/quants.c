@@ -695,15 +695,15 @@ void specd_quantize_rows(const float *x, int64_t M, int64_t K, int64_t act, void
  * each), the whole rounded up to 64 bytes. Per block, per type ("vector" = 64 bytes, 4 values
  * of each of the 16 columns; col-arrays below are [.][16 columns]):
  *   Q4_K: qs [8 sub-blocks j][4 c][64]: low nibble k = 32j + 4c + i, high nibble k = 32j + 16 + 4c + i
- *         (Q5_K: then qh [8 j][8 vectors v][8 bytes]: bit 4 col + i of mask v = the fifth bit of
- *         vector v's value, v < 4 the low nibbles of c = v, else the high nibbles of c = v - 4);
+ *         (Q5_K: then the fifth bits, 64 bytes per j for its 8 vectors t, t < 4 the low nibbles of
+ *         c = t, else the high nibbles of c = t - 4, laid out as put_fifth says);
  *         scales sc [8 j][16] u8, mins [4 i][16][2] u8 (m_2i, m_2i+1), d [16] fp16, dmin [16] fp16.
  *   Q6_K: per 16-value sub-block j: ql0, ql1, qh (3 vectors): values 0..63 of k = 16j + 4t + i:
  *         low 4 bits of t = 0/1 in ql0's low/high nibbles, t = 2/3 in ql1's; the top 2 bits of t at
  *         bits 2t, 2t + 1 of qh; scales [16 j][16] int8, d [16] fp16.
  *   Q8_0: 8 vectors (k = 4t + i) of the int8 values; d [16] fp16.
- *   Q5_0 / Q4_0: 4 vectors of nibbles (low: k = 4c + i, high: k = 16 + 4c + i), Q5_0 then 8 masks
- *         of fifth bits (vector t = k 4t + i: t < 4 low nibbles, else high); d [16] fp16.
+ *   Q5_0 / Q4_0: 4 vectors of nibbles (low: k = 4c + i, high: k = 16 + 4c + i), Q5_0 then the fifth
+ *         bits of its 8 vectors t (k = 4t + i: t < 4 low nibbles, else high; put_fifth); d [16] fp16.
  *
  * The product, per (row, column) lane and block: isum = the exact int32 block dot with the type's
  * integer sub-block scales (dot of sub-block j times sc_j, int32 mullo), the unsigned storage's
@@ -744,6 +744,7 @@ typedef __m512 vf;
 INLINE vi vload(const uint8_t *p) { return _mm512_loadu_si512((const void *)p); }
 INLINE vi vzero(void) { return _mm512_setzero_si512(); }
 INLINE vi vset8(int c) { return _mm512_set1_epi8((char)c); }
+INLINE vi vset16(int c) { return _mm512_set1_epi16((short)c); }
 INLINE vi vset32(int32_t c) { return _mm512_set1_epi32(c); }
 INLINE vi vand(vi a, vi b) { return _mm512_and_si512(a, b); }
 INLINE vi vor(vi a, vi b) { return _mm512_or_si512(a, b); }
@@ -762,11 +763,11 @@ INLINE vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
 INLINE vf vfmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 INLINE vf vfnmadd(vf a, vf b, vf c) { return _mm512_fnmadd_ps(a, b, c); }
 INLINE vf vsetps(float f) { return _mm512_set1_ps(f); }
-/* v + 16 in the bytes whose bit is set in the LANES * 4 bits at p (the fifth bit of 5-bit values) */
-INLINE vi vhigh5(vi v, const uint8_t *p)
+/* v + 16 in the bytes whose fifth bit is set: vector t of a group of 8 (see put_fifth), its 64 bits a mask */
+INLINE vi vfifth(vi v, const uint8_t *group, int h, int t)
 {
     uint64_t m;
-    memcpy(&m, p, 8);
+    memcpy(&m, group + 8 * t + h / 2, 8);
     return _mm512_mask_add_epi8(v, _cvtu64_mask64(m), v, _mm512_set1_epi8(16));
 }
 #if VNNI
@@ -806,6 +807,7 @@ typedef __m256 vf;
 INLINE vi vload(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
 INLINE vi vzero(void) { return _mm256_setzero_si256(); }
 INLINE vi vset8(int c) { return _mm256_set1_epi8((char)c); }
+INLINE vi vset16(int c) { return _mm256_set1_epi16((short)c); }
 INLINE vi vset32(int32_t c) { return _mm256_set1_epi32(c); }
 INLINE vi vand(vi a, vi b) { return _mm256_and_si256(a, b); }
 INLINE vi vor(vi a, vi b) { return _mm256_or_si256(a, b); }
@@ -824,15 +826,12 @@ INLINE vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
 INLINE vf vfmadd(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 INLINE vf vfnmadd(vf a, vf b, vf c) { return _mm256_fnmadd_ps(a, b, c); }
 INLINE vf vsetps(float f) { return _mm256_set1_ps(f); }
-INLINE vi vhigh5(vi v, const uint8_t *p)
+/* v + 16 in the bytes whose fifth bit is set: vector t of a group of 8 (see put_fifth), bit t of
+ * each byte of its half-panel's plane: a shift and a mask */
+INLINE vi vfifth(vi v, const uint8_t *group, int h, int t)
 {
-    uint32_t m;
-    memcpy(&m, p, 4);
-    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)m),
-                                               _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL,
-                                                                 0x0101010101010101LL, 0));
-    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
-    return _mm256_or_si256(v, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(16)));
+    const vi plane = vload(group + 4 * h);
+    return vor(v, vand(t <= 4 ? vsll16(plane, 4 - t) : vsrl16(plane, t - 4), vset8(16)));
 }
 #if VNNI
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -959,8 +958,8 @@ INLINE void pk_qk45(const pk_args *A, const int R, const int P, const int HIGH)
                     const vi v = vload(q);
                     lo[p] = vand(v, m4), hi[p] = vand(vsrl16(v, 4), m4);
                     if (HIGH) {
-                        const uint8_t *bits = qp[p] - 4 * h[p] + b * QB + QB_Q4_K + (8 * j + c) * 8 + h[p] / 2;
-                        lo[p] = vhigh5(lo[p], bits), hi[p] = vhigh5(hi[p], bits + 32);
+                        const uint8_t *group = qp[p] - 4 * h[p] + b * QB + QB_Q4_K + 64 * j;
+                        lo[p] = vfifth(lo[p], group, h[p], c), hi[p] = vfifth(hi[p], group, h[p], c + 4);
                     }
                 }
                 UNROLL for (int r = 0; r < R; r++) {
@@ -1092,6 +1091,18 @@ INLINE void pk6(const pk_args *A, const int R, const int P)
 #define QB_Q5_0 320
 #define QB_Q4_0 256
 #define SB_Q_0 32
+/* Strip p's nibble vector c of block b: its low nibbles (vector t = c) and high (t = c + 4), Q5_0's
+ * with their fifth bits. */
+#define Q0_NIBBLES(p, c, LO, HI)                                                                           \
+    do {                                                                                                   \
+        const uint8_t *q_ = qp[p] + b * QB;                                                                \
+        const vi n_ = vload(q_ + 64 * (c));                                                                \
+        LO = vand(n_, m4), HI = vand(vsrl16(n_, 4), m4);                                                   \
+        if (T == TYPE_Q5_0) {                                                                              \
+            LO = vfifth(LO, q_ - 4 * h[p] + 256, h[p], (c));                                               \
+            HI = vfifth(HI, q_ - 4 * h[p] + 256, h[p], (c) + 4);                                           \
+        }                                                                                                  \
+    } while (0)
 INLINE void pk_q_0(const pk_args *A, const int R, const int P, const int T)
 {
     const int64_t QB = T == TYPE_Q8_0 ? QB_Q8_0 : T == TYPE_Q5_0 ? QB_Q5_0 : QB_Q4_0;
@@ -1101,38 +1112,57 @@ INLINE void pk_q_0(const pk_args *A, const int R, const int P, const int T)
     UNROLL for (int r = 0; r < R; r++)
         UNROLL for (int p = 0; p < P; p++) acc[r][p] = vfzero();
     for (int64_t b = 0; b < A->NB; b++) {
+        vi dot[PK_TILE][PK_P];
+        UNROLL for (int r = 0; r < R; r++)
+            UNROLL for (int p = 0; p < P; p++) dot[r][p] = vset32(A->ex[r * A->exs + b]);
+#if VNNI
         vi v[8][PK_P];
         UNROLL for (int p = 0; p < P; p++) {
             const uint8_t *q = qp[p] + b * QB;
             if (T == TYPE_Q8_0) {
-                UNROLL for (int t = 0; t < 8; t++) v[t][p] = VNNI ? vxor(vload(q + 64 * t), vset8(0x80)) : vload(q + 64 * t);
+                UNROLL for (int t = 0; t < 8; t++) v[t][p] = vxor(vload(q + 64 * t), vset8(0x80));
             } else {
-                UNROLL for (int c = 0; c < 4; c++) {
-                    const vi n = vload(q + 64 * c);
-                    v[c][p] = vand(n, m4), v[c + 4][p] = vand(vsrl16(n, 4), m4);
-                }
-                if (T == TYPE_Q5_0) {
-                    const uint8_t *bits = q - 4 * h[p] + 256 + h[p] / 2;
-                    UNROLL for (int t = 0; t < 8; t++) v[t][p] = vhigh5(v[t][p], bits + 8 * t);
-                }
+                UNROLL for (int c = 0; c < 4; c++) Q0_NIBBLES(p, c, v[c][p], v[c + 4][p]);
             }
         }
-        vi dot[PK_TILE][PK_P];
         UNROLL for (int r = 0; r < R; r++) {
             const uint8_t *xq = A->x + r * A->xs + b * (int64_t)sizeof(gg_q8_0) + 4;
-            const vi start = vset32(A->ex[r * A->exs + b]);
-            UNROLL for (int p = 0; p < P; p++) dot[r][p] = start;
             UNROLL for (int t = 0; t < 8; t++)
-                UNROLL for (int p = 0; p < P; p++) {
-#if !VNNI
-                    if (T == TYPE_Q8_0) {
-                        dot[r][p] = vdot(dot[r][p], vabs8(v[t][p]), vsign8(vbcast(xq + 4 * t), v[t][p]));
-                        continue;
+                UNROLL for (int p = 0; p < P; p++) dot[r][p] = vdotx(dot[r][p], v[t][p], xq + 4 * t);
+        }
+#else
+        if (T == TYPE_Q8_0) {
+            /* |w| times x with w's sign: each maddubs pair up to 2 * 128 * 127, a madd a vector; the
+             * int8 weights need no decoding, so a vector is loaded where a row takes it */
+            UNROLL for (int r = 0; r < R; r++) {
+                const uint8_t *xq = A->x + r * A->xs + b * (int64_t)sizeof(gg_q8_0) + 4;
+                UNROLL for (int t = 0; t < 8; t++) {
+                    const vi x = vbcast(xq + 4 * t);
+                    UNROLL for (int p = 0; p < P; p++) {
+                        const vi w = vload(qp[p] + b * QB + 64 * t);
+                        dot[r][p] = vdot(dot[r][p], vabs8(w), vsign8(x, w));
                     }
-#endif
-                    dot[r][p] = vdotx(dot[r][p], v[t][p], xq + 4 * t);
+                }
+            }
+        } else {
+            /* The low and high nibbles of two c at a time, every row's dot taking them at once: a tile
+             * holds its dots and four vectors, not all eight of each strip. Their four maddubs pairs
+             * (each |.| <= 2 * 31 * 127) sum in int16 below 2^15, one madd a group. */
+            UNROLL for (int g = 0; g < 2; g++)
+                UNROLL for (int p = 0; p < P; p++) {
+                    vi v[4];
+                    const int t[4] = {2 * g, 2 * g + 1, 2 * g + 4, 2 * g + 5};
+                    Q0_NIBBLES(p, 2 * g, v[0], v[2]);
+                    Q0_NIBBLES(p, 2 * g + 1, v[1], v[3]);
+                    UNROLL for (int r = 0; r < R; r++) {
+                        const uint8_t *xq = A->x + r * A->xs + b * (int64_t)sizeof(gg_q8_0) + 4;
+                        const vi s = vadd16(vadd16(vmaddubs(v[0], vbcast(xq + 4 * t[0])), vmaddubs(v[1], vbcast(xq + 4 * t[1]))),
+                                            vadd16(vmaddubs(v[2], vbcast(xq + 4 * t[2])), vmaddubs(v[3], vbcast(xq + 4 * t[3]))));
+                        dot[r][p] = vdotw(dot[r][p], s, vset16(1));
+                    }
                 }
         }
+#endif
         UNROLL for (int p = 0; p < P; p++) {
             const vf d = vhalf(sp[p] + b * SB_Q_0 + 2 * h[p]);
             UNROLL for (int r = 0; r < R; r++) {
@@ -1232,11 +1262,19 @@ static void ints_q_0(const uint8_t *p, ints *o, const int T)
     }
 }
 
-/* Bits 4 col .. 4 col + 3 of the 64-bit mask at m: the fifth bits of the 4 values at v. */
-INLINE void put_bits(uint8_t *m, int col, const uint8_t *v)
+/* The fifth bits of the 4 values at v (column col, vector t of a group of 8 vectors, 64 bytes) where
+ * the build's kernels read them: AVX-512, vector t's 8 bytes, bit 4 col + i (a byte mask); AVX2, a
+ * 32-byte plane per half-panel (8 columns), byte 4 (col % 8) + i, bit t (a shift and a mask apiece). */
+INLINE void put_fifth(uint8_t *group, int col, int t, const uint8_t *v)
 {
-    const int nib = (v[0] >> 4 & 1) | (v[1] >> 4 & 1) << 1 | (v[2] >> 4 & 1) << 2 | (v[3] >> 4 & 1) << 3;
-    m[col / 2] |= (uint8_t)(nib << 4 * (col % 2));
+    for (int i = 0; i < 4; i++) {
+        const int bit = v[i] >> 4 & 1;
+#if WIDE
+        group[8 * t + col / 2] |= (uint8_t)(bit << (4 * (col % 2) + i));
+#else
+        group[32 * (col / 8) + 4 * (col % 8) + i] |= (uint8_t)(bit << t);
+#endif
+    }
 }
 
 /* Column col of block o into the panel's block parts q (integers) and s (scales); both zeroed. */
@@ -1247,8 +1285,8 @@ static void put_qk45(const ints *o, int col, uint8_t *q, uint8_t *s, const int H
             const uint8_t *lo = o->q + 32 * j + 4 * c, *hi = lo + 16;
             for (int i = 0; i < 4; i++) q[(4 * j + c) * 64 + 4 * col + i] = (uint8_t)((lo[i] & 0x0F) | (hi[i] & 0x0F) << 4);
             if (HIGH) {
-                put_bits(q + QB_Q4_K + (8 * j + c) * 8, col, lo);
-                put_bits(q + QB_Q4_K + (8 * j + c + 4) * 8, col, hi);
+                put_fifth(q + QB_Q4_K + 64 * j, col, c, lo);
+                put_fifth(q + QB_Q4_K + 64 * j, col, c + 4, hi);
             }
         }
     for (int j = 0; j < 8; j++) s[16 * j + col] = o->sc[j];
@@ -1280,7 +1318,7 @@ static void put_q_0(const ints *o, int col, uint8_t *q, uint8_t *s, const int T)
         for (int c = 0; c < 4; c++)
             for (int i = 0; i < 4; i++) q[64 * c + 4 * col + i] = (uint8_t)((o->q[4 * c + i] & 0x0F) | (o->q[16 + 4 * c + i] & 0x0F) << 4);
     if (T == TYPE_Q5_0)
-        for (int t = 0; t < 8; t++) put_bits(q + 256 + 8 * t, col, o->q + 4 * t);
+        for (int t = 0; t < 8; t++) put_fifth(q + 256, col, t, o->q + 4 * t);
     memcpy(s + 2 * col, &o->d, 2);
 }
 
