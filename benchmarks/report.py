@@ -426,6 +426,7 @@ def _rate_against(configs: dict, config: str, reference: str) -> str:
 BLOCKS: dict[str, Callable[[Path], str]] = {
     "bench_llama": llama("bench_llama"),
     "bench_llama_heldout": llama("bench_llama_heldout"),
+    "bench_llama_avx2": llama("bench_llama_avx2"),
     "bench_repeat": llama("bench_repeat"),
     "bench_repeat_heldout": llama("bench_repeat_heldout"),
     "bench_repeat_target_alone": llama("bench_repeat_target_alone"),
