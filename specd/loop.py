@@ -181,7 +181,7 @@ async def generate(
                     on_round(result.record)
                 if result.emitted:
                     yield Chunk(result.emitted, result.text)
-            if progress.stats.rounds and request.fixed_k is None:
+            if progress.stats.rounds and _teaches_the_prior(request):
                 await services.store.remember(progress.state.policy, turn.owner)
             checker = turn.checker
             if services.model_free:
@@ -394,6 +394,13 @@ def _check_context(held: int, request: GenerationRequest) -> None:
                   f"the session holds {held} tokens: with this prompt ({len(request.prompt)}) and max_tokens "
                   f"({request.rules.max_tokens}) it would outgrow the model's context of {request.max_context}; "
                   "lower max_tokens or start a new session")
+
+
+def _teaches_the_prior(request: GenerationRequest) -> bool:
+    """A turn whose K was pinned, or that ruled the draft model out (`drafter: none|ngram`, a
+    readiness probe), measured the deployment's drafting only in part: its policy would start the
+    next sessions (and pass for a learnt prior that start-up calibration then skips) on that part."""
+    return request.fixed_k is None and request.drafter in (hybrid.AUTO, hybrid.MODEL)
 
 
 async def _start_from_prior(state: SessionState, store: SessionStore) -> SessionState:

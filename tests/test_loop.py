@@ -494,3 +494,21 @@ def test_one_keys_plain_sessions_never_set_another_keys_start():
     alice = asyncio.run(turn("alice"))
     assert list(alice.token_ids) == target_alone(PROMPT, 60)
     assert alice.stats.drafted > 0 and store.learned is prior
+
+
+def test_a_session_that_drafts_nothing_by_request_never_sets_the_deployments_start():
+    """A `drafter: none` request (a readiness probe, a client that wants plain decoding) measures no
+    draft: the deployment's prior stays as it was (none here: start-up calibration still runs), and
+    the next session speculates."""
+    store = FakeStore()
+    services = Services(FakeDrafter(draft_rule(100), compute_s=0.01), FakeVerifier(target_rule, compute_s=0.04),
+                        store)
+
+    async def turn(drafter: str) -> Finished:
+        request = GenerationRequest(PROMPT, StopRules(40), SamplingParams(), drafter=drafter)
+        return [e async for e in generate(request, f"{drafter}-s", services, decode, True)][-1]
+
+    assert asyncio.run(turn("none")).stats.drafted == 0
+    assert store.learned is None
+    after = asyncio.run(turn("auto"))
+    assert list(after.token_ids) == target_alone(PROMPT, 40) and after.stats.drafted > 0
