@@ -142,6 +142,18 @@ def test_a_probe_of_the_draft_model_is_not_priced_by_the_acceptance_it_is_to_mea
     assert hybrid.choose(hybrid.AUTO, stale, CONFIG, 2, [0.9], lag=40, remaining=100, probe=True) == (hybrid.MODEL, 2)
 
 
+
+def test_a_probe_runs_only_where_a_draft_that_is_always_right_would_repay_its_catch_up():
+    """A probe's cost is the draft's pass over everything it lacks: a 40-token prompt's is repaid by
+    100 more tokens of a good draft; a 3000-token document's (about 6 s here) is not, nor a 40-token
+    lag with 3 tokens to go. Such a round is priced as any other (here: a plain step)."""
+    stale = replace(MEASURED, alpha=0.2)
+    assert hybrid.choose(hybrid.AUTO, stale, CONFIG, 1, [], lag=40, remaining=100, probe=True) == (hybrid.MODEL, 1)
+    assert hybrid.choose(hybrid.AUTO, stale, CONFIG, 1, [], lag=3000, remaining=100, probe=True) == (hybrid.NONE, 0)
+    assert hybrid.choose(hybrid.AUTO, stale, CONFIG, 1, [], lag=40, remaining=3, probe=True) == (hybrid.NONE, 0)
+    assert hybrid.choose(hybrid.AUTO, stale, CONFIG, 1, [0.9], lag=3000, remaining=100, probe=True) == (hybrid.FREE, 1)
+    assert hybrid.choose(hybrid.MODEL, stale, CONFIG, 1, [], lag=3000, remaining=3, probe=True) == (hybrid.MODEL, 1)
+
 # A 2-core AVX-512 host's passes (ms by positions, measured with eight sessions at once) and its draft step.
 LOADED_PASS = {1: 47, 2: 49, 3: 57, 4: 55, 5: 61, 6: 69, 7: 77, 8: 85, 9: 105, 10: 112, 11: 104, 12: 101,
                13: 104, 14: 117, 15: 131, 16: 138, 17: 155}

@@ -34,6 +34,7 @@ from specd.policy import (
     verify_time,
 )
 from specd.policy.cost import pass_time
+from specd.policy.modes import decisive_probe_k
 
 CONFIG = PolicyConfig()
 DRAFT_STEP, PLAIN_STEP, RTT = 0.1, 0.4, 0.001
@@ -327,13 +328,34 @@ def test_a_short_stint_after_a_probe_counts_as_a_failed_probe():
 
 
 def test_probe_schedule_in_plain_mode():
+    """The probe drafts the least K whose full acceptance would switch speculation on: after a verdict
+    of α = 0 on the 2-draft prior, 1 of 1 would read as α ≈ 0.38 (S = 1.02, below on_above), 2 of 2
+    as α ≈ 0.55 (S = 1.15)."""
     state = PolicyState(mode=PLAIN, estimates=measured(0.0), plain_rounds_until_probe=2, probe_interval=16)
     ks = []
     for _ in range(4):
         ks.append(next_k(state, CONFIG))
         state = observe(state, cpu_round(ks[-1], 0), CONFIG)
-    assert ks == [0, 0, CONFIG.probe_k, 0]
+    assert ks == [0, 0, 2, 0]
     assert (state.probe_interval, state.plain_rounds_until_probe) == (32, 31)
+
+
+def test_a_probe_that_could_not_change_the_mode_is_not_run_until_its_evidence_has_aged():
+    """Sixteen judged drafts all rejected, and a request that drafts at most 4: no 4 drafts all
+    accepted would switch speculation on, so no probe runs; over plain rounds that evidence decays
+    (α's counts age with the text) until a probe of 4 is decisive; later one of probe_k would be."""
+    config = PolicyConfig(max_k=4)
+    state = PolicyState(mode=PLAIN, estimates=replace(measured(0.0), accepted_count=0.0, tested_count=16.0),
+                        plain_rounds_until_probe=0, probe_interval=16)
+    ks = []
+    for _ in range(80):
+        ks.append(next_k(state, config))
+        if ks[-1]:
+            break
+        state = observe(state, cpu_round(0, 0), config)
+    assert ks[:10] == [0] * 10 and ks[-1] == 4 and len(ks) < 80
+    aged = replace(state.estimates, accepted_count=0.0, tested_count=0.01)
+    assert decisive_probe_k(aged, config) == config.probe_k
 
 
 # --- bounds, fixed K, purity ------------------------------------------------------------

@@ -160,8 +160,17 @@ def best_k(est: Estimates, config: PolicyConfig) -> tuple[int, float]:
 def _best_k(est: Estimates, config: PolicyConfig) -> tuple[int, float]:
     if not is_measured(est):
         return config.start_k, math.nan
-    candidates = range(1, config.max_k + 1) if config.adaptive else (config.start_k,)
-    return max(((k, predicted_speedup(est, k)) for k in candidates), key=lambda ks: (ks[1], -ks[0]))
+    return max(((k, predicted_speedup(est, k)) for k in _candidates(config)), key=lambda ks: (ks[1], -ks[0]))
+
+
+def _candidates(config: PolicyConfig) -> range | tuple[int]:
+    return range(1, config.max_k + 1) if config.adaptive else (config.start_k,)
+
+
+def best_speedup_at(est: Estimates, config: PolicyConfig, alpha: float) -> float:
+    """best_k's S(K) were α `alpha`, at these timings. Needs `is_measured(est)`."""
+    plain = plain_time(est)
+    return max(expected_tokens(alpha, k) * plain / round_time(est, k) for k in _candidates(config))
 
 
 def could_pay(est: Estimates, config: PolicyConfig, bar: float) -> bool:

@@ -66,12 +66,14 @@ def choose(drafter: str, est: Estimates, config: PolicyConfig, k: int, scores: S
     draft model (0: plain step or no draft model), a model-free draft's scores, and for `auto` the
     committed tokens the draft model lacks (`lag`) and the tokens the request may still make.
     `exit_s`: what a drafting round adds by stopping the stream of plain steps the turn is in.
-    A `probe` (plain mode's test of the draft model) of a session alone goes to the draft model: it is
-    there to measure α on this text, and pricing it by the α it is to measure would keep it from ever
-    running. Under load it is priced like any round: its catch-up stalls every session of the pass."""
+    A `probe` (plain mode's test of the draft model) of a session alone goes to the draft model where a
+    draft that is always right would repay its catch-up (`probe_repays`): it is there to measure α on
+    this text, and pricing it by the α it is to measure would keep it from ever running. Otherwise, and
+    under load (its catch-up stalls every session of the pass), it is priced like any round."""
     if drafter == NONE:
         return NONE, 0
-    if drafter == MODEL or (probe and drafter == AUTO and k > 0 and batch_sessions(est) == 1):
+    probing = probe and drafter == AUTO and k > 0 and batch_sessions(est) == 1
+    if drafter == MODEL or (probing and probe_repays(est, config, lag, remaining)):
         return (MODEL, k) if k > 0 else (NONE, 0)
     m, free_rate = free_choice(est, scores, exit_s)
     if drafter == FREE:
@@ -84,6 +86,17 @@ def choose(drafter: str, est: Estimates, config: PolicyConfig, k: int, scores: S
     if k == 0 or math.isnan(free_rate):  # it pays against a plain step; nothing measured to weigh
         return FREE, m
     return (FREE, m) if free_rate >= rate else (MODEL, k)
+
+
+def probe_repays(est: Estimates, config: PolicyConfig, lag: int, remaining: int) -> bool:
+    """Would a draft model that is always right, at its best K, beat plain decoding by `on_above` with
+    its catch-up over `lag` tokens paid out of the `remaining` ones? If not, no α the probe could
+    find would pay for it (a long prompt, or a request near its end)."""
+    if lag <= CAUGHT_UP or not is_measured(est):
+        return True
+    perfect, bar = replace(est, alpha=1.0), config.on_above / plain_time(est)
+    ks = range(1, max(1, min(config.max_k, remaining - 1)) + 1)  # a round commits at most what is left
+    return any(model_rate(perfect, k, lag, remaining) > bar for k in ks)
 
 
 def free_offered(est: Estimates, scores: Sequence[float], k: int) -> bool:

@@ -90,6 +90,12 @@ def _learn_acceptance(est: Estimates, obs: RoundObservation, window: int) -> tup
     return accepted * keep + obs.accepted, tested * keep + judged, judged
 
 
+def alpha_after(est: Estimates, k: int, accepted: int, window: int) -> float:
+    """α after one more round that drafted K and had `accepted` of them accepted."""
+    accepted_count, tested_count, _ = _learn_acceptance(est, RoundObservation(k, accepted, 0.0, 0.0, 0.0), window)
+    return accepted_count / tested_count
+
+
 def learn_verify(verify_s: tuple[tuple[int, float], ...], k: int, seconds: float, w: float):
     points = dict(verify_s)
     points[k] = seconds if k not in points else _ewma(points[k], seconds, w)

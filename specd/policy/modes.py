@@ -7,9 +7,9 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from specd.policy.base import CALIBRATION_ROUNDS, PLAIN, SPECULATIVE, PolicyConfig, PolicyState, RoundObservation
-from specd.policy.cost import best_k, could_pay, explore_k, should_fall_back
-from specd.policy.learning import PRIOR_DRAFTS, learn
+from specd.policy.base import CALIBRATION_ROUNDS, PLAIN, SPECULATIVE, Estimates, PolicyConfig, PolicyState, RoundObservation
+from specd.policy.cost import best_k, best_speedup_at, explore_k, is_measured, should_fall_back
+from specd.policy.learning import PRIOR_DRAFTS, alpha_after, learn
 
 SESSION_PROBE_AFTER = 1  # plain rounds (the prompt's prefill) before a new plain-mode session probes
 
@@ -44,13 +44,34 @@ def next_k(state: PolicyState, config: PolicyConfig) -> int:
     text's own acceptance decides the next K."""
     if _calibrating(state):
         return 0
-    if state.mode == PLAIN:  # a probe waits while not even a perfect draft could pay (a batch under load)
-        due = state.plain_rounds_until_probe <= 0 and could_pay(state.estimates, config, config.on_above)
-        return min(config.probe_k, config.max_k) if due else 0
+    if state.mode == PLAIN:
+        return decisive_probe_k(state.estimates, config) if state.plain_rounds_until_probe <= 0 else 0
     if not config.adaptive:
         return config.start_k
     k = min(max(state.k, 1), config.max_k)
     return min(k, config.start_k) if state.estimates.judged == 0 else k
+
+
+def decisive_probe_k(est: Estimates, config: PolicyConfig) -> int:
+    """K of plain mode's probe: the smallest K from probe_k whose drafts, all accepted, would switch
+    speculation on (`_after_probe`), at these timings; 0 where none would. A probe no outcome of
+    which could change the mode costs the draft's catch-up and its drafts for nothing: so right
+    after a verdict that the draft is useless (its evidence decays over plain rounds, and a smaller
+    probe becomes decisive), and where not even a perfect draft could pay (a batch under load)."""
+    low = min(config.probe_k, config.max_k)
+    if not is_measured(est):
+        return low
+
+    def decisive(k: int) -> bool:  # α after K of K accepted grows with K: a bisection finds the least
+        return best_speedup_at(est, config, alpha_after(est, k, k, config.alpha_window)) > config.on_above
+
+    if not decisive(config.max_k):
+        return 0
+    high = config.max_k
+    while low < high:
+        mid = (low + high) // 2
+        low, high = (low, mid) if decisive(mid) else (mid + 1, high)
+    return low
 
 
 def observe(state: PolicyState, obs: RoundObservation, config: PolicyConfig) -> PolicyState:
