@@ -460,7 +460,8 @@ def _drafter(request: GenerationRequest, state: SessionState, k: int, free: Draf
     calls = 1 if policy.mode == PLAIN else UNDRAFTED_RUN
     exit_s = hybrid.stream_exit_time(policy.estimates, calls) if streaming else 0.0
     return hybrid.choose(request.drafter, policy.estimates, request.policy, k if model else 0, free.scores, lag,
-                         remaining, probe=policy.mode == PLAIN, exit_s=exit_s)
+                         remaining, probe=policy.mode == PLAIN, exit_s=exit_s,
+                         probe_credit=policy.probe_credit)
 
 
 def _model_drafts(turn: _Turn, progress: _Progress) -> bool:

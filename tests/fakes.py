@@ -88,6 +88,7 @@ class FakeService:
 @dataclass
 class FakeDrafter(FakeService):
     confidence: Callable[[Sequence[int]], float] = lambda prefix: 1.0  # the draft's probability of its next token
+    catch_up_s: float = 0.0  # reported model time per token synced before drafting (a prefill)
     down: bool = False  # no replica answers: propose raises ServiceUnavailable, probe says False
     probes: int = 0
 
@@ -104,7 +105,8 @@ class FakeDrafter(FakeService):
                 break
         drafted = len(tokens) - position
         proposal = Proposal(tuple(tokens[position:]), ())
-        return DraftReply(proposal, position, self.instance_id, self.compute_s * drafted, await self._wait())
+        compute_s = self.compute_s * drafted + self.catch_up_s * len(request.sync.tokens)
+        return DraftReply(proposal, position, self.instance_id, compute_s, await self._wait())
 
     async def probe(self) -> bool:
         self.probes += 1
@@ -114,6 +116,7 @@ class FakeDrafter(FakeService):
 @dataclass
 class FakeVerifier(FakeService):
     batch_size: int = 1  # the sessions each reply says shared its pass
+    row_s: float = 0.0  # reported model time per draft verified, beyond compute_s
 
     async def verify(self, request: VerifyRequest) -> VerifyReply:
         tokens, proposal = self._sync(request.session_id, request.sync), request.proposal
@@ -125,8 +128,8 @@ class FakeVerifier(FakeService):
             accepted += 1
         wanted = self.rule(tokens)
         tokens.append(wanted)
-        return VerifyReply(Verdict(accepted, wanted), len(tokens), self.instance_id, self.compute_s,
-                           await self._wait(), self.batch_size)
+        return VerifyReply(Verdict(accepted, wanted), len(tokens), self.instance_id,
+                           self.compute_s + self.row_s * len(proposal.tokens), await self._wait(), self.batch_size)
 
 
 @dataclass

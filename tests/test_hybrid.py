@@ -12,6 +12,7 @@ from specd.contracts import SamplingParams
 from specd.loop import Finished, GenerationRequest, RoundRecord, Services, generate
 from specd.model_free import SuffixDrafter
 from specd.policy import Estimates, PolicyConfig, PolicyState, RoundObservation, hybrid, inherit, observe
+from specd.policy.base import PROBE_SHARE, PROBE_START
 from specd.loop import UNDRAFTED_RUN
 from specd.policy import cost
 from specd.policy.cost import verify_time
@@ -153,6 +154,37 @@ def test_a_probe_runs_only_where_a_draft_that_is_always_right_would_repay_its_ca
     assert hybrid.choose(hybrid.AUTO, stale, CONFIG, 1, [], lag=40, remaining=3, probe=True) == (hybrid.NONE, 0)
     assert hybrid.choose(hybrid.AUTO, stale, CONFIG, 1, [0.9], lag=3000, remaining=100, probe=True) == (hybrid.FREE, 1)
     assert hybrid.choose(hybrid.MODEL, stale, CONFIG, 1, [], lag=3000, remaining=3, probe=True) == (hybrid.MODEL, 1)
+
+
+def test_a_probe_is_paid_from_the_sessions_probe_credit():
+    """A probe over a 40-token lag costs 4.1 plain steps here (a 93 ms catch-up, two 15 ms drafts, two
+    4 ms rows, against a 32 ms plain token): it runs on a session's starting credit, not on 2 steps."""
+    stale = replace(MEASURED, alpha=0.2)
+    assert hybrid.probe_cost(stale, 2, 40) == pytest.approx((0.093 + 0.030 + 0.008) / 0.032)
+    assert hybrid.choose(hybrid.AUTO, stale, CONFIG, 2, [], lag=40, remaining=100, probe=True) == (hybrid.MODEL, 2)
+    assert hybrid.choose(hybrid.AUTO, stale, CONFIG, 2, [], lag=40, remaining=100, probe=True,
+                         probe_credit=2.0) == (hybrid.NONE, 0)
+
+
+def test_a_useless_draft_costs_a_session_in_plain_mode_its_probe_credit_and_no_more():
+    """Plain mode from the prior, a draft that is never right, 400 tokens: every probe's cost (its draft
+    call and extra rows, in plain steps) comes out of PROBE_START and PROBE_SHARE a plain round, give or
+    take the last probe's (decided on its predicted cost, paid at its measured one)."""
+    prior = PolicyState(mode="plain", k=1, estimates=replace(MEASURED, alpha=0.3), plain_rounds_until_probe=1)
+    drafter = FakeDrafter(useless, compute_s=0.015, catch_up_s=0.002)  # the catch-up the cost model predicts
+    verifier = FakeVerifier(repeating, compute_s=0.03, row_s=0.004)
+    services = Services(drafter, verifier, FakeStore(learned=prior))
+    records: list[RoundRecord] = []
+
+    async def collect():
+        return [e async for e in generate(request(max_tokens=400), "s", services, lambda ids: "", True,
+                                          records.append)]
+
+    done = asyncio.run(collect())[-1]
+    assert list(done.token_ids) == target_alone(PROMPT, 400, repeating)
+    probes = [r for r in records if r.drafter == hybrid.MODEL]
+    spent = sum(r.observation.draft_s + r.observation.verify_s - 0.03 for r in probes) / 0.032
+    assert 1 <= len(probes) and spent <= PROBE_START + PROBE_SHARE * len(records) + 2
 
 # A 2-core AVX-512 host's passes (ms by positions, measured with eight sessions at once) and its draft step.
 LOADED_PASS = {1: 47, 2: 49, 3: 57, 4: 55, 5: 61, 6: 69, 7: 77, 8: 85, 9: 105, 10: 112, 11: 104, 12: 101,

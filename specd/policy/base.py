@@ -10,6 +10,13 @@ from specd.validation import validate_that
 SPECULATIVE, PLAIN = "speculative", "plain"
 CALIBRATION_ROUNDS = 2  # plain rounds a fresh state may spend measuring verify(0)
 FREE_PRIOR = 2.0  # weight, in drafts, of the prior that a model-free draft's scores are right
+# Plain mode's probes are paid from an account in plain steps, so that a useless draft costs a session
+# about PROBE_START plain steps and PROBE_SHARE of its plain time: a probe's draft catch-up grows with
+# the plain stretch before it, and probes at doubling intervals would cost a share of every plain step
+# (on a 2-core AVX2 host, ~6 ms of draft prefill per token against a 64 ms step). PROBE_START covers a
+# new session's first probe over a prompt of some 40 tokens there (4.6 steps).
+PROBE_START = 6.0
+PROBE_SHARE = 0.02
 
 
 @dataclass(frozen=True)
@@ -112,3 +119,4 @@ class PolicyState:
     fallbacks: int = 0
     mode_rounds: int = 0  # rounds since the last switch (a short speculative stint = a failed probe)
     drafted_last_round: bool = False  # else the next drafting round is cold: the draft must catch up
+    probe_credit: float = PROBE_START  # plain steps' worth of time this session may still spend on probes

@@ -16,7 +16,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import replace
 
-from specd.policy.base import PLAIN, Estimates, PolicyConfig, PolicyState, RoundObservation
+from specd.policy.base import PLAIN, PROBE_SHARE, PROBE_START, Estimates, PolicyConfig, PolicyState, RoundObservation
 from specd.policy.cost import (batch_sessions, derived, expected_tokens, grown, is_measured, plain_time, round_time,
                                verify_time)
 from specd.policy.learning import learn_offer, learn_pass
@@ -61,19 +61,22 @@ def stream_exit_time(est: Estimates, calls: int) -> float:
 
 
 def choose(drafter: str, est: Estimates, config: PolicyConfig, k: int, scores: Sequence[float],
-           lag: int = 0, remaining: int = 1, probe: bool = False, exit_s: float = 0.0) -> tuple[str, int]:
+           lag: int = 0, remaining: int = 1, probe: bool = False, exit_s: float = 0.0,
+           probe_credit: float = PROBE_START) -> tuple[str, int]:
     """(the round's drafter, its draft length) from the request's `drafter`, the policy's K for the
     draft model (0: plain step or no draft model), a model-free draft's scores, and for `auto` the
     committed tokens the draft model lacks (`lag`) and the tokens the request may still make.
     `exit_s`: what a drafting round adds by stopping the stream of plain steps the turn is in.
-    A `probe` (plain mode's test of the draft model) of a session alone goes to the draft model where a
-    draft that is always right would repay its catch-up (`probe_repays`): it is there to measure α on
-    this text, and pricing it by the α it is to measure would keep it from ever running. Otherwise, and
-    under load (its catch-up stalls every session of the pass), it is priced like any round."""
+    A `probe` (plain mode's test of the draft model) of a session alone goes to the draft model where
+    the session's `probe_credit` (plain steps) covers its cost and a draft that is always right would
+    repay its catch-up (`probe_repays`): it is there to measure α on this text, and pricing it by the
+    α it is to measure would keep it from ever running. Otherwise, and under load (its catch-up stalls
+    every session of the pass), it is priced like any round."""
     if drafter == NONE:
         return NONE, 0
     probing = probe and drafter == AUTO and k > 0 and batch_sessions(est) == 1
-    if drafter == MODEL or (probing and probe_repays(est, config, lag, remaining)):
+    if drafter == MODEL or (probing and probe_cost(est, k, lag) <= probe_credit
+                            and probe_repays(est, config, lag, remaining)):
         return (MODEL, k) if k > 0 else (NONE, 0)
     m, free_rate = free_choice(est, scores, exit_s)
     if drafter == FREE:
@@ -86,6 +89,15 @@ def choose(drafter: str, est: Estimates, config: PolicyConfig, k: int, scores: S
     if k == 0 or math.isnan(free_rate):  # it pays against a plain step; nothing measured to weigh
         return FREE, m
     return (FREE, m) if free_rate >= rate else (MODEL, k)
+
+
+def probe_cost(est: Estimates, k: int, lag: int) -> float:
+    """A probe of K drafts beyond a plain step, in plain steps: the draft's catch-up over `lag` tokens,
+    its K steps and the K extra verification rows (0 before the timings are measured)."""
+    if not is_measured(est):
+        return 0.0
+    catch_up = catch_up_time(est, lag) if lag > CAUGHT_UP else 0.0
+    return (catch_up + round_time(est, k) - 2 * est.rtt_s - verify_time(est, 0)) / plain_time(est)
 
 
 def probe_repays(est: Estimates, config: PolicyConfig, lag: int, remaining: int) -> bool:
@@ -139,6 +151,7 @@ def learn_free(est: Estimates, obs: RoundObservation, scores: Sequence[float], c
 def observe_free(state: PolicyState, obs: RoundObservation, scores: Sequence[float], config: PolicyConfig) -> PolicyState:
     """After a model-free round: its lessons (`learn_free`); plain mode's wait for a probe of the
     draft model goes on, and that model's next draft is cold (it has the round's tokens to catch up on)."""
-    countdown = max(0, state.plain_rounds_until_probe - 1) if state.mode == PLAIN else state.plain_rounds_until_probe
+    plain = state.mode == PLAIN
+    countdown = max(0, state.plain_rounds_until_probe - 1) if plain else state.plain_rounds_until_probe
     return replace(state, estimates=learn_free(state.estimates, obs, scores, config), drafted_last_round=False,
-                   plain_rounds_until_probe=countdown)
+                   plain_rounds_until_probe=countdown, probe_credit=state.probe_credit + PROBE_SHARE * plain)

@@ -7,8 +7,9 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from specd.policy.base import CALIBRATION_ROUNDS, PLAIN, SPECULATIVE, Estimates, PolicyConfig, PolicyState, RoundObservation
-from specd.policy.cost import best_k, best_speedup_at, explore_k, is_measured, should_fall_back
+from specd.policy.base import CALIBRATION_ROUNDS, PLAIN, PROBE_SHARE, SPECULATIVE, Estimates, PolicyConfig, PolicyState, RoundObservation
+from specd.policy.cost import (best_k, best_speedup_at, explore_k, is_measured, plain_time, should_fall_back,
+                               verify_time)
 from specd.policy.learning import PRIOR_DRAFTS, alpha_after, learn
 
 SESSION_PROBE_AFTER = 1  # plain rounds (the prompt's prefill) before a new plain-mode session probes
@@ -83,9 +84,19 @@ def observe(state: PolicyState, obs: RoundObservation, config: PolicyConfig) -> 
     if state.mode == SPECULATIVE:
         return _after_speculative_round(state, config)
     if obs.k > 0:
-        return _after_probe(state, config)
+        return _after_probe(replace(state, probe_credit=state.probe_credit - probe_spent(state.estimates, obs)), config)
     countdown = max(0, state.plain_rounds_until_probe - 1)
-    return replace(state, plain_rounds_until_probe=countdown, mode_rounds=state.mode_rounds + 1)
+    return replace(state, plain_rounds_until_probe=countdown, mode_rounds=state.mode_rounds + 1,
+                   probe_credit=state.probe_credit + PROBE_SHARE)
+
+
+def probe_spent(est: Estimates, obs: RoundObservation) -> float:
+    """What a probe cost beyond a plain step, in plain steps: its draft call (the catch-up with it)
+    and its extra verification rows."""
+    plain = verify_time(est, 0)
+    if plain is None:
+        return 0.0
+    return (obs.draft_s + max(0.0, obs.verify_s - plain)) / plain_time(est)
 
 
 def _after_speculative_round(state: PolicyState, config: PolicyConfig) -> PolicyState:
