@@ -34,6 +34,7 @@ from specd.policy import (
     verify_time,
 )
 from specd.policy.cost import pass_time
+from specd.policy.base import PROBE_SHARE
 from specd.policy.modes import decisive_probe_k
 
 CONFIG = PolicyConfig()
@@ -317,6 +318,16 @@ def test_hysteresis_at_break_even():
     for seed in range(3):
         assert switches(CONFIG, seed) <= 10
         assert switches(no_hysteresis, seed) > 5 * switches(CONFIG, seed)
+
+
+def test_a_fallback_spends_the_starting_probe_credit():
+    """The credit a session starts with pays for a first probe where it has no verdict of its own; a
+    fallback is one, on this text: the probe after it is paid from what plain rounds earn."""
+    state = observe(PolicyState(mode=SPECULATIVE, k=1, estimates=measured(0.0)), cpu_round(1, 0), CONFIG)
+    assert state.mode == PLAIN and state.probe_credit == 0.0
+    for _ in range(10):
+        state = observe(state, cpu_round(0, 0), CONFIG)
+    assert state.probe_credit == pytest.approx(10 * PROBE_SHARE)
 
 
 def test_a_short_stint_after_a_probe_counts_as_a_failed_probe():

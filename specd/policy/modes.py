@@ -109,6 +109,7 @@ def _after_speculative_round(state: PolicyState, config: PolicyConfig) -> Policy
             probe_interval=interval,
             plain_rounds_until_probe=interval,
             mode_rounds=0,
+            probe_credit=min(state.probe_credit, 0.0),  # a verdict on this text: the next probe is earned
         )
     k = explore_k(state.estimates, config, *best_k(state.estimates, config))
     return replace(state, k=k, mode_rounds=state.mode_rounds + 1)
