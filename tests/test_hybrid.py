@@ -73,18 +73,19 @@ def test_the_draft_models_catch_up_is_priced_over_what_is_left_of_the_request():
 
 
 def test_where_the_model_free_drafter_takes_rounds_the_catch_up_is_shared_by_fewer():
-    """A 40-token lag (rounds the model-free drafter took) with 400 tokens to go: worth catching up when
-    the model then drafts the rest, not when the model-free drafter has a draft for every other round
-    (the draft model then lags again after each of them: half the catch-up falls on this round)."""
+    """A 40-token lag (rounds the model-free drafter took) with 30 tokens to go: worth catching up when
+    the model then drafts the rest, not when the model-free drafter would take every other round (the
+    catch-up then serves the half of them that the draft model drafts)."""
     good = replace(MEASURED, alpha=0.9)
     offering = replace(good, free_offers=8.0, offer_rounds=16.0)
     assert offering.free_offer_rate == 0.5
-    assert hybrid.choose(hybrid.AUTO, good, CONFIG, 4, [], lag=40, remaining=400) == (hybrid.MODEL, 4)
-    assert hybrid.choose(hybrid.AUTO, offering, CONFIG, 4, [], lag=40, remaining=400) == (hybrid.NONE, 0)
-    assert hybrid.choose(hybrid.AUTO, offering, CONFIG, 4, [], lag=2, remaining=400) == (hybrid.MODEL, 4)  # caught up
+    assert hybrid.choose(hybrid.AUTO, good, CONFIG, 4, [], lag=40, remaining=30) == (hybrid.MODEL, 4)
+    assert hybrid.choose(hybrid.AUTO, offering, CONFIG, 4, [], lag=40, remaining=30) == (hybrid.NONE, 0)
+    assert hybrid.choose(hybrid.AUTO, offering, CONFIG, 4, [], lag=2, remaining=30) == (hybrid.MODEL, 4)  # caught up
     catch_up = hybrid.catch_up_time(good, 40)
-    round_s = 1 / hybrid.model_rate(good, 4, 2, 400)
-    assert 1 / hybrid.model_rate(offering, 4, 40, 400) == pytest.approx(round_s + catch_up * 0.5 / hybrid.expected_tokens(0.9, 4))
+    round_s = 1 / hybrid.model_rate(good, 4, 2, 30)
+    e = hybrid.expected_tokens(0.9, 4)
+    assert 1 / hybrid.model_rate(offering, 4, 40, 30) == pytest.approx(round_s + catch_up * e / (30 * 0.5) / e)
 
 
 def test_a_round_counts_for_the_model_free_drafter_when_it_would_beat_the_caught_up_draft_model():
@@ -185,6 +186,16 @@ def test_a_useless_draft_costs_a_session_in_plain_mode_its_probe_credit_and_no_m
     probes = [r for r in records if r.drafter == hybrid.MODEL]
     spent = sum(r.observation.draft_s + r.observation.verify_s - 0.03 for r in probes) / 0.032
     assert 1 <= len(probes) and spent <= PROBE_START + PROBE_SHARE * len(records) + 2
+
+
+def test_a_long_prompts_catch_up_is_paid_once_not_again_after_each_model_free_round():
+    """A 200-token lag, 400 tokens to go, and the model-free drafter taking 3 rounds in 10: the draft
+    model catches up once (0.41 s over the request) and then lags only the model-free rounds' own
+    tokens, not the prompt again; at α = 0.9 it pays."""
+    good = replace(MEASURED, alpha=0.9, free_offers=3.0, offer_rounds=10.0)
+    assert hybrid.choose(hybrid.AUTO, good, CONFIG, 4, [], lag=200, remaining=400) == (hybrid.MODEL, 4)
+    often = replace(good, free_offers=9.0)  # it would take 9 in 10: each model round re-catches up on many
+    assert hybrid.model_rate(often, 4, 200, 400) < hybrid.model_rate(good, 4, 200, 400)
 
 # A 2-core AVX-512 host's passes (ms by positions, measured with eight sessions at once) and its draft step.
 LOADED_PASS = {1: 47, 2: 49, 3: 57, 4: 55, 5: 61, 6: 69, 7: 77, 8: 85, 9: 105, 10: 112, 11: 104, 12: 101,

@@ -270,7 +270,7 @@ def test_a_useless_draft_is_dropped_and_only_probed_afterwards():
     done = run(GenerationRequest(PROMPT, StopRules(300), SamplingParams()), useless, verifier, records.append)[-1]
     assert list(done.token_ids) == target_alone(PROMPT, 300)
     first_plain = next(i for i, r in enumerate(records) if r.mode == "plain")
-    assert first_plain <= 4
+    assert first_plain <= 5  # the prompt's round, then four rounds of one judged draft each
     assert done.stats.fallbacks >= 1 and done.session.policy.mode == "plain"
     probes = sum(r.k > 0 for r in records[first_plain:])
     assert probes <= 6, f"{probes} draft calls after falling back"

@@ -33,7 +33,7 @@ from specd.policy import (
     should_fall_back,
     verify_time,
 )
-from specd.policy.cost import pass_time
+from specd.policy.cost import HOPELESS_JUDGED, pass_time
 from specd.policy.base import PROBE_SHARE
 from specd.policy.modes import decisive_probe_k
 
@@ -150,7 +150,8 @@ def test_best_k_grows_with_alpha():
 
 
 def test_fallback_predicate():
-    assert should_fall_back(measured(0.0), CONFIG)  # S(1) = 0.74
+    assert should_fall_back(replace(measured(0.0), judged=HOPELESS_JUDGED), CONFIG)  # S(1) = 0.74
+    assert not should_fall_back(replace(measured(0.0), judged=HOPELESS_JUDGED - 1), CONFIG)  # too few judged
     assert not should_fall_back(measured(0.35), CONFIG)  # about break-even: S(1) = 1.00
     assert not should_fall_back(measured(0.95), CONFIG)
     nothing_timed = Estimates(alpha=0.0)
@@ -320,18 +321,35 @@ def test_hysteresis_at_break_even():
         assert switches(no_hysteresis, seed) > 5 * switches(CONFIG, seed)
 
 
+def test_one_unlucky_round_after_the_prior_has_aged_does_not_condemn_the_draft():
+    """A session whose draft model waited out its prompt's catch-up for 30 rounds: the inherited α
+    aged to a fifth of a draft's weight, and its first round drafted 2 and had none accepted (1 in
+    100 rounds of a draft at α = 0.9). Acceptance alone condemns a draft only on HOPELESS_JUDGED drafts
+    judged in this session."""
+    aged = inherit(PolicyState(estimates=measured(0.7)))
+    aged = replace(aged, estimates=replace(aged.estimates, accepted_count=0.18, tested_count=0.25))
+    state = observe(aged, cpu_round(2, 0), CONFIG)
+    assert state.estimates.alpha < 0.2 and state.mode == SPECULATIVE
+    for _ in range(HOPELESS_JUDGED - 1):
+        state = observe(state, cpu_round(2, 0), CONFIG)
+    assert state.mode == PLAIN  # a draft that keeps failing is still dropped within a few rounds
+
+
 def test_a_fallback_spends_the_starting_probe_credit():
     """The credit a session starts with pays for a first probe where it has no verdict of its own; a
     fallback is one, on this text: the probe after it is paid from what plain rounds earn."""
-    state = observe(PolicyState(mode=SPECULATIVE, k=1, estimates=measured(0.0)), cpu_round(1, 0), CONFIG)
-    assert state.mode == PLAIN and state.probe_credit == 0.0
+    state = PolicyState(mode=SPECULATIVE, k=1, estimates=measured(0.0))
+    while state.mode == SPECULATIVE:
+        state = observe(state, cpu_round(1, 0), CONFIG)
+    assert state.probe_credit == 0.0
     for _ in range(10):
         state = observe(state, cpu_round(0, 0), CONFIG)
     assert state.probe_credit == pytest.approx(10 * PROBE_SHARE)
 
 
 def test_a_short_stint_after_a_probe_counts_as_a_failed_probe():
-    state = PolicyState(mode=SPECULATIVE, k=1, estimates=measured(0.0), probe_interval=64, fallbacks=3, mode_rounds=2)
+    judged = replace(measured(0.0), judged=HOPELESS_JUDGED)
+    state = PolicyState(mode=SPECULATIVE, k=1, estimates=judged, probe_interval=64, fallbacks=3, mode_rounds=2)
     state = observe(state, cpu_round(1, 0), CONFIG)
     assert (state.mode, state.probe_interval, state.plain_rounds_until_probe) == (PLAIN, 128, 128)
     long_stint = dataclasses.replace(state, mode=SPECULATIVE, mode_rounds=200)

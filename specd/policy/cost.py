@@ -15,6 +15,7 @@ T = TypeVar("T")
 PRIOR_SLOPE = 0.25  # verify(K) ≈ verify(0)·(1 + PRIOR_SLOPE·K) when only one K is measured
 TIMING_EVIDENCE = CALIBRATION_ROUNDS + 3  # rounds before timings alone may switch speculation off
 MIN_JUDGED = 16  # drafts judged in this session before timings alone may switch speculation off
+HOPELESS_JUDGED = 4  # drafts judged in this session before acceptance alone may switch speculation off
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -187,9 +188,11 @@ def should_fall_back(est: Estimates, config: PolicyConfig) -> bool:
     """Plain decoding is predicted to beat the best K by a margin. Never before the
     comparison rests on measurements: a prior alone must not switch speculation off.
 
-    Two kinds of evidence, trusted at different speeds. Acceptance alone can condemn a draft at
-    once: if even free verification (verify(K) = verify(0)) would not pay, no timing noise can
-    rescue it, and a useless draft is dropped within five rounds. A verdict that rests on
+    Two kinds of evidence, trusted at different speeds. Acceptance alone can condemn a draft
+    soon: if even free verification (verify(K) = verify(0)) would not pay, no timing noise can
+    rescue it, and a useless draft is dropped within five rounds; but not on fewer than
+    HOPELESS_JUDGED drafts judged in this session (a prior aged over rounds that did not draft
+    leaves one unlucky round, 0 of 2 at α = 0.9, to speak alone). A verdict that rests on
     timings waits for TIMING_EVIDENCE rounds: the first measurements of a fresh session are the
     noisiest (caches warming, the other service's threads still busy), and one slow verify
     must not switch a good draft off; nor may a few unlucky rounds of a good one: at α = 0.8,
@@ -203,7 +206,8 @@ def should_fall_back(est: Estimates, config: PolicyConfig) -> bool:
         return False
     timed = est.observations >= TIMING_EVIDENCE
     ceiling = timed and not could_pay(est, config, config.off_below)  # no acceptance would pay: judged drafts moot
-    return _hopeless(est, config) or (timed and est.judged >= MIN_JUDGED) or ceiling
+    hopeless = est.judged >= HOPELESS_JUDGED and _hopeless(est, config)
+    return hopeless or (timed and est.judged >= MIN_JUDGED) or ceiling
 
 
 def _hopeless(est: Estimates, config: PolicyConfig) -> bool:

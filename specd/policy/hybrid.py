@@ -122,13 +122,13 @@ def free_offered(est: Estimates, scores: Sequence[float], k: int) -> bool:
 def model_rate(est: Estimates, k: int, lag: int, remaining: int, exit_s: float = 0.0) -> float:
     """Tokens a second of the draft model at K, its catch-up included: a draft that lacks more than
     the round's own tokens (a new prompt, rounds another drafter took) first runs a pass over them,
-    paid once and shared by the rounds it then serves, E(α, K) tokens each. Those rounds last until
-    the request ends or the model-free drafter takes a round (the draft model then lags again), in
-    1 / P rounds where P is the share of rounds it would take from a caught-up draft model: a
-    round's share of the catch-up is the larger of E / `remaining` and P. `exit_s`: as `choose`'s."""
+    paid once and shared by the rounds it then serves, E(α, K) tokens each: the 1 - P of what is
+    left of the request that the model-free drafter would not take (P: the share of rounds it would
+    take from a caught-up draft model). After a round it takes, the draft model lags only that
+    round's tokens, a catch-up priced when it comes. `exit_s`: as `choose`'s."""
     tokens = expected_tokens(est.alpha, k)
-    share = min(1.0, max(tokens / max(remaining, 1), est.free_offer_rate))
-    catch_up = catch_up_time(est, lag) * share if lag > CAUGHT_UP else 0.0
+    served = max(remaining * (1.0 - est.free_offer_rate), 1.0)
+    catch_up = catch_up_time(est, lag) * min(1.0, tokens / served) if lag > CAUGHT_UP else 0.0
     return tokens / (round_time(est, k) + catch_up + exit_s)
 
 
