@@ -7,7 +7,8 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from specd.policy.base import CALIBRATION_ROUNDS, PLAIN, PROBE_SHARE, SPECULATIVE, Estimates, PolicyConfig, PolicyState, RoundObservation
+from specd.policy.base import (CALIBRATION_ROUNDS, PLAIN, PROBE_SHARE, SPECULATIVE, Estimates, PolicyConfig, PolicyState,
+                               RoundObservation)
 from specd.policy.cost import (best_k, best_speedup_at, explore_k, is_measured, plain_time, should_fall_back,
                                verify_time)
 from specd.policy.learning import PRIOR_DRAFTS, alpha_after, learn
