@@ -23,7 +23,7 @@ PROBE_SHARE = 0.02
 class PolicyConfig:
     max_k: int = 16  # the server's bound; a request may lower it
     default_k: int = 4  # K before anything is measured, and the fixed K when not adaptive
-    probe_k: int = 1  # K of a probe in plain mode: the cheapest probe; a good draft passes it as often as K = 4
+    probe_k: int = 1  # the least K of a probe in plain mode (modes.decisive_probe_k may need more to switch)
     adaptive: bool = True  # False: K stays min(default_k, max_k); the fallback still guards
     off_below: float = 0.95  # fall back to plain decoding when the best predicted speedup < this
     on_above: float = 1.05  # leave plain mode (after a probe) only when it is > this (hysteresis)
