@@ -111,12 +111,12 @@ def is_measured(est: Estimates) -> bool:
     return est.draft_step_s is not None and len(measured_k) >= (1 if has_plain else 2)
 
 
-def predicted_speedup(est: Estimates, k: int) -> float:
-    """S(K) of docs/policy.md: plain tokens per second of speculative work. Needs
-    `is_measured(est)`."""
+def predicted_speedup(est: Estimates, k: int, alpha: float | None = None) -> float:
+    """S(K) of docs/policy.md: plain tokens per second of speculative work (`alpha`: in place of the
+    learnt α). Needs `is_measured(est)`."""
     if est.draft_step_s is None or verify_time(est, 0) is None:
         raise ValueError("predicted_speedup needs the draft step and a verify time measured")
-    return expected_tokens(est.alpha, k) * plain_time(est) / round_time(est, k)
+    return expected_tokens(est.alpha if alpha is None else alpha, k) * plain_time(est) / round_time(est, k)
 
 
 def plain_time(est: Estimates) -> float:
@@ -170,8 +170,7 @@ def _candidates(config: PolicyConfig) -> range | tuple[int]:
 
 def best_speedup_at(est: Estimates, config: PolicyConfig, alpha: float) -> float:
     """best_k's S(K) were α `alpha`, at these timings. Needs `is_measured(est)`."""
-    plain = plain_time(est)
-    return max(expected_tokens(alpha, k) * plain / round_time(est, k) for k in _candidates(config))
+    return max(predicted_speedup(est, k, alpha) for k in _candidates(config))
 
 
 def could_pay(est: Estimates, config: PolicyConfig, bar: float) -> bool:

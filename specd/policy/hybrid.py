@@ -106,9 +106,9 @@ def probe_repays(est: Estimates, config: PolicyConfig, lag: int, remaining: int)
     find would pay for it (a long prompt, or a request near its end)."""
     if lag <= CAUGHT_UP or not is_measured(est):
         return True
-    perfect, bar = replace(est, alpha=1.0), config.on_above / plain_time(est)
+    bar = config.on_above / plain_time(est)
     ks = range(1, max(1, min(config.max_k, remaining - 1)) + 1)  # a round commits at most what is left
-    return any(model_rate(perfect, k, lag, remaining) > bar for k in ks)
+    return any(model_rate(est, k, lag, remaining, alpha=1.0) > bar for k in ks)
 
 
 def free_offered(est: Estimates, scores: Sequence[float], k: int) -> bool:
@@ -119,14 +119,16 @@ def free_offered(est: Estimates, scores: Sequence[float], k: int) -> bool:
     return free_rate >= model_rate(est, k, 0, 1)
 
 
-def model_rate(est: Estimates, k: int, lag: int, remaining: int, exit_s: float = 0.0) -> float:
+def model_rate(est: Estimates, k: int, lag: int, remaining: int, exit_s: float = 0.0,
+               alpha: float | None = None) -> float:
     """Tokens a second of the draft model at K, its catch-up included: a draft that lacks more than
     the round's own tokens (a new prompt, rounds another drafter took) first runs a pass over them,
     paid once and shared by the rounds it then serves, E(α, K) tokens each: the 1 - P of what is
     left of the request that the model-free drafter would not take (P: the share of rounds it would
     take from a caught-up draft model). After a round it takes, the draft model lags only that
-    round's tokens, a catch-up priced when it comes. `exit_s`: as `choose`'s."""
-    tokens = expected_tokens(est.alpha, k)
+    round's tokens, a catch-up priced when it comes. `exit_s`: as `choose`'s; `alpha`: in place of
+    the learnt α (the timings stay the estimates' own, derived once)."""
+    tokens = expected_tokens(est.alpha if alpha is None else alpha, k)
     served = max(remaining * (1.0 - est.free_offer_rate), 1.0)
     catch_up = catch_up_time(est, lag) * min(1.0, tokens / served) if lag > CAUGHT_UP else 0.0
     return tokens / (round_time(est, k) + catch_up + exit_s)
