@@ -159,6 +159,9 @@ class VerifyReply:
     queued_s: float = 0.0  # waited for the model before the pass began: load, not the network
     batch_size: int = 1  # sessions whose verifications shared the pass that compute_s timed
     pass_rows: int = 0  # positions that pass fed, every session's (0: not reported)
+    # the target's probability of its most likely token at each committed position (row 0 .. num_accepted),
+    # what the policy reads the text's predictability from (empty: not reported)
+    confidence: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -533,6 +533,7 @@ def _observation(k: int, accepted: int, drafting: _Called | None, verifying: _Ca
         batch_size=verifying.reply.batch_size,
         pass_rows=verifying.reply.pass_rows,
         wall_s=verifying.wall_s,
+        confidence=verifying.reply.confidence,
     )
 
 

@@ -60,14 +60,23 @@ class TargetEngine(RoleEngine):
         K = len(drafts)
         if q is None:
             verdict = verify_greedy(drafts, logits)
+            sure = confidence(logits[: verdict.num_accepted + 1])
         else:
             p = warp(logits, params)  # [K+1, vocab]
             u_accept = uniforms(params.seed, ACCEPT_STREAM, range(n, n + K))
             u_sample = uniforms(params.seed, SAMPLE_STREAM, range(n, n + K + 1))
             verdict = verify(drafts, q, p, u_accept, u_sample)
+            sure = tuple(p[: verdict.num_accepted + 1].amax(-1).tolist())
         # Rollback is bookkeeping: keep the accepted prefix, append the recovered/bonus token.
         position = self.engine.sync(request.session_id, n, verdict.committed(drafts))
-        return VerifyReply(verdict, position, self.engine.instance_id)
+        return VerifyReply(verdict, position, self.engine.instance_id, confidence=sure)
+
+
+def confidence(logits: torch.Tensor) -> tuple[float, ...]:
+    """The probability of each row's most likely token (logits: [rows, vocab]): exp(max - logsumexp),
+    without a softmax over the vocabulary."""
+    rows = logits.float()
+    return tuple((rows.amax(-1) - rows.logsumexp(-1)).exp().tolist())
 
 
 def _dense_q(proposal: Proposal, vocab_size: int) -> torch.Tensor:

@@ -117,19 +117,24 @@ class FakeDrafter(FakeService):
 class FakeVerifier(FakeService):
     batch_size: int = 1  # the sessions each reply says shared its pass
     row_s: float = 0.0  # reported model time per draft verified, beyond compute_s
+    confidence: Callable[[list[int]], float] | None = None  # the target's confidence after a prefix (None: not reported)
 
     async def verify(self, request: VerifyRequest) -> VerifyReply:
         tokens, proposal = self._sync(request.session_id, request.sync), request.proposal
-        accepted = 0
+        accepted, sure = 0, []
         for drafted in proposal.tokens:
+            sure.append(self.confidence(tokens) if self.confidence else None)
             if drafted != self.rule(tokens):
                 break
             tokens.append(drafted)
             accepted += 1
+        if accepted == len(proposal.tokens):
+            sure.append(self.confidence(tokens) if self.confidence else None)
         wanted = self.rule(tokens)
         tokens.append(wanted)
         return VerifyReply(Verdict(accepted, wanted), len(tokens), self.instance_id,
-                           self.compute_s + self.row_s * len(proposal.tokens), await self._wait(), self.batch_size)
+                           self.compute_s + self.row_s * len(proposal.tokens), await self._wait(), self.batch_size,
+                           confidence=tuple(sure) if self.confidence else ())
 
 
 @dataclass

@@ -27,6 +27,7 @@ from specd import sparse
 from specd.contracts import Proposal, ProposeRequest, SamplingParams, SyncPoint, VerifyRequest
 from specd.draft_engine import DraftEngine
 from specd.engine import EngineConfig, ModelEngine
+from specd.sampling import warp
 from specd.target_engine import TargetEngine
 from services.common.worker import Batcher, Batching, EngineWorker, SharedCores
 from services.common import model_service
@@ -479,3 +480,25 @@ def test_eight_sessions_answered_in_turn_by_one_coordinator_share_the_next_pass(
         worker.close()
     assert seen[0] == [f"{s}1" for s in sessions]
     assert len(seen) - 1 == passes and sorted(x for batch in seen[1:] for x in batch) == [f"{s}2" for s in sessions]
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.7, top_k=6, seed=3)],
+                         ids=["greedy", "sampled"])
+def test_a_verification_reports_the_targets_confidence_at_each_committed_position(tiny_pair, params):
+    """The probability of the target's most likely token (its warped distribution's, when sampled)
+    at rows 0 .. num_accepted of the pass: what the policy reads the text's predictability from."""
+    draft_dir, target_dir = tiny_pair
+    draft, target, reference = (ModelEngine(EngineConfig(d, dtype="float64")) for d in (draft_dir, target_dir, target_dir))
+    for engine in (draft, target, reference):
+        engine.sync("s", 0, PROMPTS[1])
+    for k in (0, 1, 4):
+        proposal = propose(draft, "s", k, params)
+        reference.sync("s", target.position("s"), ())
+        rows = reference.forward("s", proposal.tokens)[-(len(proposal.tokens) + 1):]  # [K+1, vocab]
+        reply = TargetEngine(target).verify([VerifyRequest("s", held(target, "s"), proposal, params)])[0]
+        committed = reply.verdict.num_accepted + 1
+        p = torch.softmax(rows.double(), -1) if params.greedy else warp(rows, params)
+        assert reply.confidence == pytest.approx(p[:committed].amax(-1).tolist(), rel=1e-5)
+        assert all(0.0 < c <= 1.0 for c in reply.confidence)
+        draft.sync("s", reply.position - 1, [reply.verdict.next_token])
+        reference.sync("s", reply.position - 1, [reply.verdict.next_token])

@@ -197,6 +197,35 @@ def test_a_long_prompts_catch_up_is_paid_once_not_again_after_each_model_free_ro
     often = replace(good, free_offers=9.0)  # it would take 9 in 10: each model round re-catches up on many
     assert hybrid.model_rate(often, 4, 200, 400) < hybrid.model_rate(good, 4, 200, 400)
 
+def sometimes(share: float):
+    """A draft model right at `share` of positions (the repeating target's token there, else a wrong one)."""
+    return lambda prefix: repeating(prefix) if len(prefix) * 7 % 10 < share * 10 else useless(prefix)
+
+
+@pytest.mark.parametrize("sure, share, model_drafts", [(0.3, 0.3, False), (0.95, 1.0, True)], ids=["unsure", "sure"])
+def test_a_new_session_reads_the_targets_confidence_before_its_draft_model_catches_up(sure, share, model_drafts):
+    """A new session from a deployment's prior at which the draft model would just pay (α 0.7 here). On
+    text the target is unsure of (confidence 0.3, its draft right 30 % of the time) the draft model never
+    catches up on the prompt or drafts; on text it is sure of, the draft model drafts from its second round."""
+    prior = PolicyState(estimates=replace(MEASURED, alpha=0.7))
+    drafter = FakeDrafter(sometimes(share), compute_s=0.015, catch_up_s=0.002)
+    verifier = FakeVerifier(repeating, compute_s=0.03, row_s=0.004, confidence=lambda prefix: sure)
+    services = Services(drafter, verifier, FakeStore(learned=prior))
+    records: list[RoundRecord] = []
+
+    async def collect():
+        return [e async for e in generate(request(max_tokens=60), "s", services, lambda ids: "", True, records.append)]
+
+    done = asyncio.run(collect())[-1]
+    assert list(done.token_ids) == target_alone(PROMPT, 60, repeating)
+    assert all(r.observation.confidence == (sure,) * (r.observation.accepted + 1) for r in records)
+    drafted = [i for i, r in enumerate(records) if r.drafter == hybrid.MODEL]
+    if model_drafts:
+        assert drafted[0] == 1
+    else:
+        assert drafted == [] and drafter.calls == 0
+
+
 # A 2-core AVX-512 host's passes (ms by positions, measured with eight sessions at once) and its draft step.
 LOADED_PASS = {1: 47, 2: 49, 3: 57, 4: 55, 5: 61, 6: 69, 7: 77, 8: 85, 9: 105, 10: 112, 11: 104, 12: 101,
                13: 104, 14: 117, 15: 131, 16: 138, 17: 155}

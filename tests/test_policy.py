@@ -545,3 +545,33 @@ def test_concave_verify_times_are_explored_up_to_a_long_k():
     short = explore_k(replace(learned, alpha=0.3), config, 1, 1.0)
     assert short == 1  # at α = 0.3 no longer K could win even with free verification
 
+
+
+def test_the_targets_confidence_is_evidence_on_alpha_worth_half_a_judged_draft():
+    """A plain round judges no draft, yet the target's confidence at its token says how predictable the
+    text is: α moves toward c times it (c = 1 before any draft was judged against it), by half a draft;
+    a round that reports no confidence leaves α as the decay finds it."""
+    state = PolicyState(mode=PLAIN, estimates=replace(measured(0.7), accepted_count=1.4, tested_count=2.0))
+    unsure, sure, silent = (observe(state, replace(cpu_round(0, 0), confidence=c), CONFIG).estimates
+                            for c in ((0.2,), (1.0,), ()))
+    keep = 1 - 1 / CONFIG.alpha_window
+    assert unsure.alpha == pytest.approx((1.4 * keep + 0.5 * 0.2) / (2.0 * keep + 0.5))
+    assert sure.alpha == pytest.approx((1.4 * keep + 0.5) / (2.0 * keep + 0.5))
+    assert silent.alpha == pytest.approx(0.7)
+    many = state
+    for _ in range(64):
+        many = observe(many, replace(cpu_round(0, 0), confidence=(0.4,)), CONFIG)
+    assert many.estimates.alpha == pytest.approx(0.4, abs=0.01)  # plain mode follows the text
+
+
+def test_the_confidence_calibration_learns_what_judged_drafts_scored_and_sessions_inherit_it():
+    """c: accepted drafts per unit of the target's confidence at the judged positions (here a round of
+    four drafts, one accepted: the judged rows' confidences 0.9 and 0.5), from a prior of 1; a new
+    session keeps it, as it keeps the timings."""
+    state = PolicyState(estimates=measured(0.7))
+    after = observe(state, replace(cpu_round(4, 1), confidence=(0.9, 0.5)), CONFIG).estimates
+    assert (after.confidence_accepted, after.confidence_expected) == (1.0, pytest.approx(1.4))
+    assert after.confidence_calibration == pytest.approx((1.0 + 2.0) / (1.4 + 2.0))
+    assert inherit(PolicyState(estimates=after)).estimates.confidence_calibration == after.confidence_calibration
+    unreported = observe(state, cpu_round(4, 1), CONFIG).estimates
+    assert unreported.confidence_calibration == 1.0

@@ -101,6 +101,8 @@ def test_both_caches_and_the_redis_record_follow_the_committed_length_every_roun
             assert record.draft_position == n  # the draft synced to exactly the committed length
             valid = n + record.num_accepted
             assert list(draft.tokens(session))[:valid] == committed[:valid]
+        sure = record.observation.confidence  # the target's, over gRPC: one per committed position
+        assert len(sure) == record.num_accepted + 1 and all(0.0 < c <= 1.0 for c in sure)
         records.append(record)
 
     def check_record(state) -> None:

@@ -7,7 +7,7 @@ import math
 from dataclasses import replace
 from typing import Sequence
 
-from specd.policy.base import Estimates, PolicyConfig, PolicyState, RoundObservation
+from specd.policy.base import CONFIDENCE_WEIGHT, Estimates, PolicyConfig, PolicyState, RoundObservation
 from specd.policy.cost import is_measured
 
 PRIOR_DRAFTS = 2.0  # weight, in drafts, of the prior α: three rejections in a row outweigh it
@@ -19,6 +19,8 @@ def learn(
     """Update the estimates from one round: α from decayed counts, timings by EWMA (a first
     measurement is taken as is); a cold service's timing is skipped."""
     accepted_count, tested_count, judged = _learn_acceptance(est, obs, config.alpha_window)
+    hinted, hints = confidence_hint(est, obs)
+    accepted_count, tested_count = accepted_count + hinted, tested_count + hints
     alpha = accepted_count / tested_count if tested_count > 0 else est.alpha
     w = config.smoothing
     draft_step, batched = est.draft_step_s, est.draft_batched
@@ -41,7 +43,8 @@ def learn(
             streamed = _timed(streamed, obs.wall_s, w)
         else:
             call = _timed(call, obs.wall_s, w)
-    est = learn_offer(learn_pass(est, obs, w, target_cold), obs, config.alpha_window)
+    est = learn_calibration(learn_offer(learn_pass(est, obs, w, target_cold), obs, config.alpha_window), obs, judged,
+                            config.alpha_window)
     return replace(est, alpha=alpha, draft_step_s=draft_step, draft_batched=batched, rtt_s=rtt, stream_s=stream,
                    plain_call_s=call, plain_streamed_s=streamed,
                    observations=est.observations + 1, accepted_count=accepted_count, tested_count=tested_count,
@@ -70,6 +73,28 @@ def learn_offer(est: Estimates, obs: RoundObservation, window: int) -> Estimates
         return est
     keep = 1.0 - 1.0 / window
     return replace(est, free_offers=est.free_offers * keep + obs.free_offered, offer_rounds=est.offer_rounds * keep + 1)
+
+
+def confidence_hint(est: Estimates, obs: RoundObservation) -> tuple[float, float]:
+    """(accepted, judged) drafts' worth of evidence on α from the target's confidence at the round's
+    last committed position, where the next round's first draft will stand: CONFIDENCE_WEIGHT drafts
+    expected to pass at c times that confidence (c: `Estimates.confidence_calibration`). A plain round
+    judges no draft, yet it says how predictable the text is now; a new session learns that before its
+    draft model's first catch-up, and plain mode's probes follow the text."""
+    if not obs.confidence:
+        return 0.0, 0.0
+    return CONFIDENCE_WEIGHT * min(1.0, est.confidence_calibration * obs.confidence[-1]), CONFIDENCE_WEIGHT
+
+
+def learn_calibration(est: Estimates, obs: RoundObservation, judged: int, window: int) -> Estimates:
+    """c: what the judged drafts scored against the target's confidence at their positions, over
+    counts that decay as α's do, a round that judged drafts at a time (a property of the pair of
+    models, so sessions inherit it)."""
+    if judged == 0 or len(obs.confidence) < judged:
+        return est
+    keep = 1.0 - 1.0 / window
+    return replace(est, confidence_accepted=est.confidence_accepted * keep + obs.accepted,
+                   confidence_expected=est.confidence_expected * keep + sum(obs.confidence[:judged]))
 
 
 def _learn_acceptance(est: Estimates, obs: RoundObservation, window: int) -> tuple[float, float, int]:
