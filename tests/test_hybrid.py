@@ -226,6 +226,17 @@ def test_a_new_session_reads_the_targets_confidence_before_its_draft_model_catch
         assert drafted == [] and drafter.calls == 0
 
 
+def test_a_model_free_round_ages_alpha_and_its_targets_confidence_speaks_for_the_text():
+    """The model-free drafter's rounds judge none of the draft model's drafts, but the text they pass
+    through is the same: α ages a round and moves toward the target's confidence there."""
+    est = replace(MEASURED, alpha=0.7, accepted_count=1.4, tested_count=2.0)
+    obs = RoundObservation(2, 0, 0.0, 0.034, 0.002, confidence=(0.2,))
+    after = hybrid.learn_free(est, obs, [0.5, 0.4], CONFIG)
+    keep = 1 - 1 / CONFIG.alpha_window
+    assert after.alpha == pytest.approx((1.4 * keep + 0.5 * 0.2) / (2.0 * keep + 0.5))
+    assert after.judged == est.judged and after.draft_step_s == est.draft_step_s
+
+
 # A 2-core AVX-512 host's passes (ms by positions, measured with eight sessions at once) and its draft step.
 LOADED_PASS = {1: 47, 2: 49, 3: 57, 4: 55, 5: 61, 6: 69, 7: 77, 8: 85, 9: 105, 10: 112, 11: 104, 12: 101,
                13: 104, 14: 117, 15: 131, 16: 138, 17: 155}

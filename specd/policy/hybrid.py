@@ -19,7 +19,7 @@ from dataclasses import replace
 from specd.policy.base import PLAIN, PROBE_SHARE, PROBE_START, Estimates, PolicyConfig, PolicyState, RoundObservation
 from specd.policy.cost import (batch_sessions, derived, expected_tokens, grown, is_measured, plain_time, round_time,
                                verify_time)
-from specd.policy.learning import learn_offer, learn_pass
+from specd.policy.learning import learn_offer, learn_pass, learn_text
 
 AUTO, MODEL, FREE, NONE = "auto", "model", "ngram", "none"
 DRAFTERS = (AUTO, MODEL, FREE, NONE)
@@ -141,12 +141,13 @@ def catch_up_time(est: Estimates, lag: int) -> float:
 
 
 def learn_free(est: Estimates, obs: RoundObservation, scores: Sequence[float], config: PolicyConfig) -> Estimates:
-    """A model-free round teaches the calibration c and the target's verify time at its K, nothing
-    of the draft model (α, its step)."""
+    """A model-free round teaches the calibration c and the target's verify time at its K; of the draft
+    model, only what any round says of the text (`learning.learn_text`), not its step."""
     keep = 1.0 - 1.0 / config.alpha_window
     accepted = est.free_accepted * keep + obs.accepted
     expected = est.free_expected * keep + sum(scores[: obs.k])
     est = learn_offer(learn_pass(est, obs, config.smoothing, obs.target_cold), obs, config.alpha_window)
+    est = learn_text(est, obs, config.alpha_window)
     return replace(est, free_accepted=accepted, free_expected=expected)
 
 

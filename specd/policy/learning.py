@@ -18,9 +18,7 @@ def learn(
 ) -> Estimates:
     """Update the estimates from one round: α from decayed counts, timings by EWMA (a first
     measurement is taken as is); a cold service's timing is skipped."""
-    accepted_count, tested_count, judged = _learn_acceptance(est, obs, config.alpha_window)
-    hinted, hints = confidence_hint(est, obs)
-    accepted_count, tested_count = accepted_count + hinted, tested_count + hints
+    accepted_count, tested_count, judged = _acceptance(est, obs, config.alpha_window)
     alpha = accepted_count / tested_count if tested_count > 0 else est.alpha
     w = config.smoothing
     draft_step, batched = est.draft_step_s, est.draft_batched
@@ -73,6 +71,20 @@ def learn_offer(est: Estimates, obs: RoundObservation, window: int) -> Estimates
         return est
     keep = 1.0 - 1.0 / window
     return replace(est, free_offers=est.free_offers * keep + obs.free_offered, offer_rounds=est.offer_rounds * keep + 1)
+
+
+def learn_text(est: Estimates, obs: RoundObservation, window: int) -> Estimates:
+    """What a round that judged none of the draft model's drafts (a model-free draft's) says of α: its
+    evidence ages a round, and the target's confidence speaks (`confidence_hint`)."""
+    accepted_count, tested_count, _ = _acceptance(est, replace(obs, k=0, accepted=0), window)
+    return replace(est, accepted_count=accepted_count, tested_count=tested_count, alpha=accepted_count / tested_count)
+
+
+def _acceptance(est: Estimates, obs: RoundObservation, window: int) -> tuple[float, float, int]:
+    """α's decayed counts after a round, the target's confidence in them, and the drafts it judged."""
+    accepted_count, tested_count, judged = _learn_acceptance(est, obs, window)
+    hinted, hints = confidence_hint(est, obs)
+    return accepted_count + hinted, tested_count + hints, judged
 
 
 def confidence_hint(est: Estimates, obs: RoundObservation) -> tuple[float, float]:
