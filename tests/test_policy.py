@@ -35,6 +35,7 @@ from specd.policy import (
 )
 from specd.policy.cost import HOPELESS_JUDGED, pass_time
 from specd.policy.base import PROBE_SHARE
+from specd.policy import modes
 from specd.policy.modes import decisive_probe_k
 
 CONFIG = PolicyConfig()
@@ -367,6 +368,29 @@ def test_probe_schedule_in_plain_mode():
         state = observe(state, cpu_round(ks[-1], 0), CONFIG)
     assert ks == [0, 0, 2, 0]
     assert (state.probe_interval, state.plain_rounds_until_probe) == (32, 31)
+
+
+def test_a_due_probe_that_no_outcome_could_make_decisive_is_checked_every_few_rounds(monkeypatch):
+    """The check is a sweep of the cost model: a plain session whose due probe cannot switch it on (here
+    all drafts rejected so far) checks again after PROBE_RECHECK rounds, not every round, and still
+    probes within PROBE_RECHECK rounds of the evidence having aged enough."""
+    config = PolicyConfig(max_k=4)
+    state = PolicyState(mode=PLAIN, estimates=replace(measured(0.0), accepted_count=0.0, tested_count=16.0),
+                        plain_rounds_until_probe=1, probe_interval=16)
+    sweeps = []
+    real = modes._decisive_probe_k
+    monkeypatch.setattr(modes, "_decisive_probe_k", lambda est, cfg: sweeps.append(1) or real(est, cfg))
+    ks, seen = [], []
+    for _ in range(80):
+        ks.append(next_k(state, config))
+        if ks[-1]:
+            break
+        state = observe(state, cpu_round(0, 0), config)
+        seen.append(state.estimates)
+    rounds = len(ks)
+    assert ks[-1] == 4 and len(sweeps) <= rounds // modes.PROBE_RECHECK + 2
+    first_decisive = next(i for i, est in enumerate(seen) if real(est, config))  # checked every round
+    assert rounds - 1 <= first_decisive + 1 + modes.PROBE_RECHECK
 
 
 def test_a_probe_that_could_not_change_the_mode_is_not_run_until_its_evidence_has_aged():

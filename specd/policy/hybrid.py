@@ -20,6 +20,7 @@ from specd.policy.base import PLAIN, PROBE_SHARE, PROBE_START, Estimates, Policy
 from specd.policy.cost import (batch_sessions, derived, expected_tokens, grown, is_measured, plain_time, round_time,
                                verify_time)
 from specd.policy.learning import learn_offer, learn_pass, learn_text
+from specd.policy.modes import counted_down
 
 AUTO, MODEL, FREE, NONE = "auto", "model", "ngram", "none"
 DRAFTERS = (AUTO, MODEL, FREE, NONE)
@@ -155,6 +156,6 @@ def observe_free(state: PolicyState, obs: RoundObservation, scores: Sequence[flo
     """After a model-free round: its lessons (`learn_free`); plain mode's wait for a probe of the
     draft model goes on, and that model's next draft is cold (it has the round's tokens to catch up on)."""
     plain = state.mode == PLAIN
-    countdown = max(0, state.plain_rounds_until_probe - 1) if plain else state.plain_rounds_until_probe
-    return replace(state, estimates=learn_free(state.estimates, obs, scores, config), drafted_last_round=False,
-                   plain_rounds_until_probe=countdown, probe_credit=state.probe_credit + PROBE_SHARE * plain)
+    state = replace(state, estimates=learn_free(state.estimates, obs, scores, config), drafted_last_round=False)
+    countdown = counted_down(state, config) if plain else state.plain_rounds_until_probe
+    return replace(state, plain_rounds_until_probe=countdown, probe_credit=state.probe_credit + PROBE_SHARE * plain)

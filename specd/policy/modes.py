@@ -9,11 +9,12 @@ from dataclasses import replace
 
 from specd.policy.base import (CALIBRATION_ROUNDS, PLAIN, PROBE_SHARE, SPECULATIVE, Estimates, PolicyConfig, PolicyState,
                                RoundObservation)
-from specd.policy.cost import (best_k, best_speedup_at, explore_k, is_measured, plain_time, should_fall_back,
+from specd.policy.cost import (best_k, best_speedup_at, derived, explore_k, is_measured, plain_time, should_fall_back,
                                verify_time)
 from specd.policy.learning import PRIOR_DRAFTS, alpha_after, learn
 
 SESSION_PROBE_AFTER = 1  # plain rounds (the prompt's prefill) before a new plain-mode session probes
+PROBE_RECHECK = 4  # plain rounds between checks of a due probe that no outcome could make decisive
 
 
 def inherit(prior: PolicyState) -> PolicyState:
@@ -60,6 +61,10 @@ def decisive_probe_k(est: Estimates, config: PolicyConfig) -> int:
     which could change the mode costs the draft's catch-up and its drafts for nothing: so right
     after a verdict that the draft is useless (its evidence decays over plain rounds, and a smaller
     probe becomes decisive), and where not even a perfect draft could pay (a batch under load)."""
+    return derived(est, ("probe_k", config), lambda: _decisive_probe_k(est, config))
+
+
+def _decisive_probe_k(est: Estimates, config: PolicyConfig) -> int:
     low = min(config.probe_k, config.max_k)
     if not is_measured(est):
         return low
@@ -86,9 +91,17 @@ def observe(state: PolicyState, obs: RoundObservation, config: PolicyConfig) -> 
         return _after_speculative_round(state, config)
     if obs.k > 0:
         return _after_probe(replace(state, probe_credit=state.probe_credit - probe_spent(state.estimates, obs)), config)
-    countdown = max(0, state.plain_rounds_until_probe - 1)
-    return replace(state, plain_rounds_until_probe=countdown, mode_rounds=state.mode_rounds + 1,
+    return replace(state, plain_rounds_until_probe=counted_down(state, config), mode_rounds=state.mode_rounds + 1,
                    probe_credit=state.probe_credit + PROBE_SHARE)
+
+
+def counted_down(state: PolicyState, config: PolicyConfig) -> int:
+    """Plain rounds left before the probe after a plain round: one fewer, or PROBE_RECHECK where the
+    probe is due but none would be decisive (`decisive_probe_k`: the text or the load says no draft
+    pays), so that check, a sweep of the cost model, runs every few rounds rather than every one
+    (under load, every plain session's every round: 0.4 ms of a 2-core host's Python a round)."""
+    countdown = max(0, state.plain_rounds_until_probe - 1)
+    return PROBE_RECHECK if countdown == 0 and decisive_probe_k(state.estimates, config) == 0 else countdown
 
 
 def probe_spent(est: Estimates, obs: RoundObservation) -> float:
