@@ -321,8 +321,10 @@ def test_a_request_names_its_drafter_and_the_output_stays_the_targets(stub, clus
 
 
 def test_a_sampled_request_verifies_model_free_drafts_as_point_masses(stub):
+    """A pinned K: whether an unpinned model-free draft pays is the policy's call on the deployment's
+    learnt timings and mode (left by earlier tests), not this test's subject."""
     reply = complete(stub, "abcabcabcabcabcabcabcabc", max_tokens=N_TOKENS, ignore_eos=True, drafter="ngram",
-                     temperature=0.8, seed=3)
+                     num_draft_tokens=4, temperature=0.8, seed=3)
     assert reply.stats.completion_tokens == N_TOKENS and reply.stats.model_free_drafted_tokens > 0
 
 
