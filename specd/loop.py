@@ -424,7 +424,12 @@ def _round_attributes(index: int, seen: RoundObservation, committed: int, mode: 
 
 
 def _choose_k(request: GenerationRequest, policy: PolicyState) -> int:
-    return request.fixed_k if request.fixed_k is not None else next_k(policy, request.policy)
+    """A pinned K, or the policy's; a named draft model drafts every round (K adapts, only `auto` falls
+    back to plain steps): plain mode's rounds are its probes."""
+    if request.fixed_k is not None:
+        return request.fixed_k
+    k = next_k(policy, request.policy)
+    return k if k > 0 or request.drafter != hybrid.MODEL else request.policy.probe_k
 
 
 def _free_draft(turn: _Turn, state: SessionState, cap: int) -> Draft:

@@ -119,8 +119,17 @@ def test_the_best_prefix_of_a_model_free_draft_is_sent():
 def test_the_request_decides_who_may_draft():
     assert hybrid.choose(hybrid.NONE, MEASURED, CONFIG, 4, [1.0] * 8) == (hybrid.NONE, 0)
     assert hybrid.choose(hybrid.MODEL, MEASURED, CONFIG, 4, [1.0] * 8) == (hybrid.MODEL, 4)
-    assert hybrid.choose(hybrid.FREE, MEASURED, CONFIG, 4, [0.1]) == (hybrid.NONE, 0)
     assert hybrid.choose(hybrid.FREE, MEASURED, CONFIG, 4, [1.0, 1.0]) == (hybrid.FREE, 2)
+    assert hybrid.choose(hybrid.FREE, MEASURED, CONFIG, 4, []) == (hybrid.NONE, 0)  # no match: nothing to draft
+
+
+def test_a_named_model_free_drafter_drafts_whenever_it_has_a_match_and_only_auto_prices_it_against_plain():
+    """`drafter: ngram` is the user's choice, as llama.cpp's --spec-type ngram: a match is drafted (its
+    best prefix of at least one token) even where the cost model would take a plain step; `auto` weighs it."""
+    long_shot, exit_s = [0.1, 0.05, 0.01], hybrid.stream_exit_time(replace(MEASURED, stream_s=0.0), UNDRAFTED_RUN)
+    assert hybrid.choose(hybrid.AUTO, MEASURED, CONFIG, 0, long_shot) == (hybrid.NONE, 0)
+    assert hybrid.choose(hybrid.FREE, MEASURED, CONFIG, 0, long_shot) == (hybrid.FREE, 1)
+    assert hybrid.choose(hybrid.FREE, MEASURED, CONFIG, 0, [1.0, 1.0], exit_s=exit_s) == (hybrid.FREE, 2)
 
 
 def test_drafts_the_target_keeps_rejecting_lower_the_calibration_until_none_is_sent():
@@ -264,8 +273,8 @@ def test_under_load_a_draft_is_priced_by_the_pass_it_joins_and_the_wait_it_adds_
     loaded = replace(alone, batch=8.0)
     assert verify_time(loaded, 1) == pytest.approx(0.105 + 7 * (0.105 - 0.085))
     assert 1.9 / (LOADED_PASS[16] / 1e3 + 0.011) > 1 / cost.plain_time(loaded)  # the old price: it pays
-    assert hybrid.choose(hybrid.FREE, loaded, CONFIG, 0, [0.9]) == (hybrid.NONE, 0)
-    assert hybrid.choose(hybrid.FREE, alone, CONFIG, 0, [0.9]) == (hybrid.FREE, 1)
+    assert hybrid.choose(hybrid.AUTO, loaded, CONFIG, 0, [0.9]) == (hybrid.NONE, 0)
+    assert hybrid.choose(hybrid.AUTO, alone, CONFIG, 0, [0.9]) == (hybrid.FREE, 1)
 
 
 def test_where_the_table_is_a_line_the_pass_a_draft_joins_costs_as_if_every_session_drafted_alike():
@@ -323,6 +332,27 @@ def test_a_key_whose_last_request_fell_back_probes_and_speculates_on_text_its_dr
 
 
 # -- the loop ----------------------------------------------------------------------------------------
+
+
+def test_a_named_draft_model_drafts_from_the_first_round_even_where_the_prior_says_plain():
+    """`drafter: model` on a deployment whose last session fell back (its prior: plain mode, a probe
+    far off): every round with room drafts; K adapts, and only `auto` may fall back to plain steps."""
+    prose = PolicyState(mode="plain", k=2, estimates=replace(MEASURED, alpha=0.2), plain_rounds_until_probe=64,
+                        probe_interval=64)
+    drafter, verifier = FakeDrafter(useless), FakeVerifier(repeating)
+    services = Services(drafter, verifier, FakeStore(learned=prose))
+    records: list[RoundRecord] = []
+
+    async def collect():
+        return [e async for e in generate(request(hybrid.MODEL, max_tokens=12), "s", services, lambda ids: "",
+                                          True, records.append)]
+
+    done = asyncio.run(collect())[-1]
+    assert list(done.token_ids) == target_alone(PROMPT, 12, repeating)
+    assert [r.drafter for r in records[:-1]] == [hybrid.MODEL] * (len(records) - 1)  # the last round has no room
+    assert drafter.calls == len(records) - 1
+
+
 
 
 def test_a_repeating_text_is_drafted_without_the_draft_model_and_the_output_is_the_targets():

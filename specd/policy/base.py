@@ -108,19 +108,28 @@ class Estimates:
 
     @property
     def free_calibration(self) -> float:
-        """c: accepted model-free drafts per unit of score, from a prior of 1 worth FREE_PRIOR drafts."""
-        return (self.free_accepted + FREE_PRIOR) / (self.free_expected + FREE_PRIOR)
+        """c: accepted model-free drafts per unit of score."""
+        return _calibration(self.free_accepted, self.free_expected)
 
     @property
     def confidence_calibration(self) -> float:
-        """Accepted drafts per unit of the target's confidence at their positions, from a prior of 1
-        worth FREE_PRIOR drafts (learning.confidence_hint)."""
-        return (self.confidence_accepted + FREE_PRIOR) / (self.confidence_expected + FREE_PRIOR)
+        """Accepted drafts per unit of the target's confidence at their positions (learning.confidence_hint)."""
+        return _calibration(self.confidence_accepted, self.confidence_expected)
 
     @property
     def free_offer_rate(self) -> float:
         """P: the share of rounds the model-free drafter would take from a caught-up draft model."""
         return self.free_offers / self.offer_rounds if self.offer_rounds > 0 else 0.0
+
+
+def _calibration(accepted: float, expected: float) -> float:
+    """Accepted drafts per unit of what was expected of them, from a prior of 1 worth FREE_PRIOR drafts."""
+    return (accepted + FREE_PRIOR) / (expected + FREE_PRIOR)
+
+
+def decayed(count: float, new: float, window: int) -> float:
+    """A count of evidence after one more round: old rounds' weigh 1 - 1/window less (α's window)."""
+    return count * (1.0 - 1.0 / window) + new
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import replace
 
-from specd.policy.base import PLAIN, PROBE_SHARE, PROBE_START, Estimates, PolicyConfig, PolicyState, RoundObservation
+from specd.policy.base import (PLAIN, PROBE_SHARE, PROBE_START, Estimates, PolicyConfig, PolicyState, RoundObservation,
+                               decayed)
 from specd.policy.cost import (batch_sessions, derived, expected_tokens, grown, is_measured, plain_time, round_time,
                                verify_time)
 from specd.policy.learning import learn_offer, learn_pass, learn_text
@@ -34,20 +35,21 @@ def free_expected(est: Estimates, scores: Sequence[float], m: int) -> float:
     return sum(min(1.0, c * s) for s in scores[:m])
 
 
-def free_choice(est: Estimates, scores: Sequence[float], exit_s: float = 0.0) -> tuple[int, float]:
+def free_choice(est: Estimates, scores: Sequence[float], exit_s: float = 0.0, named: bool = False) -> tuple[int, float]:
     """(m, tokens/s) of the best prefix of a model-free draft (m = 0: none of it pays); `exit_s`: what
-    leaving a stream of plain steps adds to a drafting round (`stream_exit_time`)."""
+    leaving a stream of plain steps adds to a drafting round (`stream_exit_time`). A `named` drafter
+    (the request asked for it) sends at least one token of a match: only `auto` weighs it against plain."""
     scores = tuple(scores)  # a round weighs its draft twice: for its choice and for P (free_offered)
-    return derived(est, ("free", scores, exit_s), lambda: _free_choice(est, scores, exit_s))
+    return derived(est, ("free", scores, exit_s, named), lambda: _free_choice(est, scores, exit_s, named))
 
 
-def _free_choice(est: Estimates, scores: tuple[float, ...], exit_s: float) -> tuple[int, float]:
+def _free_choice(est: Estimates, scores: tuple[float, ...], exit_s: float, named: bool) -> tuple[int, float]:
     if not scores or not is_measured(est):
-        m = len(scores) if free_expected(est, scores, len(scores)) >= UNMEASURED_MIN_EXPECTED else 0
-        return m, math.nan
-    rates = [(0, 1 / plain_time(est))] + [
-        (m, (1 + free_expected(est, scores, m)) / (verify_time(est, m) + est.rtt_s + exit_s))
-        for m in range(1, len(scores) + 1)]
+        pays = named or free_expected(est, scores, len(scores)) >= UNMEASURED_MIN_EXPECTED
+        return (len(scores) if pays else 0), math.nan
+    rates = [] if named else [(0, 1 / plain_time(est))]
+    rates += [(m, (1 + free_expected(est, scores, m)) / (verify_time(est, m) + est.rtt_s + exit_s))
+              for m in range(1, len(scores) + 1)]
     return max(rates, key=lambda mr: (mr[1], -mr[0]))
 
 
@@ -79,7 +81,7 @@ def choose(drafter: str, est: Estimates, config: PolicyConfig, k: int, scores: S
     if drafter == MODEL or (probing and probe_cost(est, k, lag) <= probe_credit
                             and probe_repays(est, config, lag, remaining)):
         return (MODEL, k) if k > 0 else (NONE, 0)
-    m, free_rate = free_choice(est, scores, exit_s)
+    m, free_rate = free_choice(est, scores, exit_s, named=drafter == FREE)
     if drafter == FREE:
         return (FREE, m) if m > 0 else (NONE, 0)
     rate = model_rate(est, k, lag, remaining, exit_s) if k > 0 and is_measured(est) else math.nan
@@ -144,9 +146,8 @@ def catch_up_time(est: Estimates, lag: int) -> float:
 def learn_free(est: Estimates, obs: RoundObservation, scores: Sequence[float], config: PolicyConfig) -> Estimates:
     """A model-free round teaches the calibration c and the target's verify time at its K; of the draft
     model, only what any round says of the text (`learning.learn_text`), not its step."""
-    keep = 1.0 - 1.0 / config.alpha_window
-    accepted = est.free_accepted * keep + obs.accepted
-    expected = est.free_expected * keep + sum(scores[: obs.k])
+    accepted = decayed(est.free_accepted, obs.accepted, config.alpha_window)
+    expected = decayed(est.free_expected, sum(scores[: obs.k]), config.alpha_window)
     est = learn_offer(learn_pass(est, obs, config.smoothing, obs.target_cold), obs, config.alpha_window)
     est = learn_text(est, obs, config.alpha_window)
     return replace(est, free_accepted=accepted, free_expected=expected)

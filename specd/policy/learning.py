@@ -7,7 +7,7 @@ import math
 from dataclasses import replace
 from typing import Sequence
 
-from specd.policy.base import CONFIDENCE_WEIGHT, Estimates, PolicyConfig, PolicyState, RoundObservation
+from specd.policy.base import CONFIDENCE_WEIGHT, Estimates, PolicyConfig, PolicyState, RoundObservation, decayed
 from specd.policy.cost import is_measured
 
 PRIOR_DRAFTS = 2.0  # weight, in drafts, of the prior α: three rejections in a row outweigh it
@@ -69,8 +69,8 @@ def learn_offer(est: Estimates, obs: RoundObservation, window: int) -> Estimates
     counts that decay as α's (`hybrid.model_rate` shares a catch-up by it)."""
     if obs.free_offered is None:
         return est
-    keep = 1.0 - 1.0 / window
-    return replace(est, free_offers=est.free_offers * keep + obs.free_offered, offer_rounds=est.offer_rounds * keep + 1)
+    return replace(est, free_offers=decayed(est.free_offers, obs.free_offered, window),
+                   offer_rounds=decayed(est.offer_rounds, 1, window))
 
 
 def learn_text(est: Estimates, obs: RoundObservation, window: int) -> Estimates:
@@ -104,9 +104,8 @@ def learn_calibration(est: Estimates, obs: RoundObservation, judged: int, window
     models, so sessions inherit it)."""
     if judged == 0 or len(obs.confidence) < judged:
         return est
-    keep = 1.0 - 1.0 / window
-    return replace(est, confidence_accepted=est.confidence_accepted * keep + obs.accepted,
-                   confidence_expected=est.confidence_expected * keep + sum(obs.confidence[:judged]))
+    return replace(est, confidence_accepted=decayed(est.confidence_accepted, obs.accepted, window),
+                   confidence_expected=decayed(est.confidence_expected, sum(obs.confidence[:judged]), window))
 
 
 def _learn_acceptance(est: Estimates, obs: RoundObservation, window: int) -> tuple[float, float, int]:
@@ -122,9 +121,8 @@ def _learn_acceptance(est: Estimates, obs: RoundObservation, window: int) -> tup
     accepted, tested = est.accepted_count, est.tested_count
     if tested == 0:
         accepted, tested = est.alpha * PRIOR_DRAFTS, PRIOR_DRAFTS
-    keep = 1.0 - 1.0 / window
     judged = obs.accepted + (1 if obs.accepted < obs.k else 0)
-    return accepted * keep + obs.accepted, tested * keep + judged, judged
+    return decayed(accepted, obs.accepted, window), decayed(tested, judged, window), judged
 
 
 def alpha_after(est: Estimates, k: int, accepted: int, window: int) -> float:
