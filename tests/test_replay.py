@@ -1,0 +1,27 @@
+"""benchmarks/replay.py: a recorded text's confidence and agreement drive the loop on fakes at a host's costs."""
+
+import pytest
+
+from benchmarks.replay import HostCosts, by_class, replay
+
+
+def trace(name: str, kind: str, agree: int, confidence: float) -> dict:
+    return {"name": name, "kind": kind, "prompt_tokens": 30, "agree": [agree] * 128, "confidence": [confidence] * 128}
+
+
+def test_a_text_the_draft_knows_speculates_and_one_it_does_not_stays_near_plain():
+    costs = HostCosts()
+    known, known_drafts = replay(trace("code", "code", 1, 0.95), costs)
+    unknown, unknown_drafts = replay(trace("prose", "prose", 0, 0.3), costs)
+    misled, misled_drafts = replay(trace("sure", "prose", 0, 0.9), costs)  # the target is sure; the draft is wrong
+    assert known > 1.2 and known_drafts > 64
+    assert unknown == pytest.approx(1.0) and unknown_drafts == 0
+    assert 0.95 <= misled < 1.0 and 0 < misled_drafts < 8
+
+
+def test_a_cheaper_draft_step_replays_faster_and_classes_report_their_mean_and_worst():
+    traces = [trace("a", "code", 1, 0.95), trace("b", "code", 1, 0.6)]
+    slow, fast = by_class(traces, HostCosts(draft_step=0.024)), by_class(traces, HostCosts(draft_step=0.012))
+    assert fast["classes"]["code"]["mean"] > slow["classes"]["code"]["mean"]
+    code = slow["classes"]["code"]
+    assert code["worst"] == min(p["speedup"] for p in slow["prompts"].values()) <= code["mean"]
