@@ -128,7 +128,7 @@ def _calibration(accepted: float, expected: float) -> float:
 
 
 def decayed(count: float, new: float, window: int) -> float:
-    """A count of evidence after one more round: old rounds' weigh 1 - 1/window less (α's window)."""
+    """A count of evidence after one more round: what the older rounds counted is scaled by 1 - 1/window (α's window)."""
     return count * (1.0 - 1.0 / window) + new
 
 
