@@ -400,14 +400,18 @@ def round_parts(results: Path) -> str:
     return head + table(["part", *parts], rows)
 
 
-def load_block(results: Path) -> str:
+def load_runs(name: str) -> Callable[[Path], str]:
+    return lambda results: load_block(results, name)
+
+
+def load_block(results: Path, name: str) -> str:
     """Aggregate tokens/s with N sessions at once, plain and adaptive (specd bench --load)."""
-    run = load(results, "load")
+    run = load(results, name)
     rows = [[n, f"{r['plain_tokens_per_s']:.1f}", f"{r['adaptive_tokens_per_s']:.1f}", f"{r['adaptive_vs_plain']:.2f}×",
              " / ".join(f"{x:.2f}×" for x in r.get("adaptive_vs_plain_by_repeat", ())) or "–",
              "yes" if r["met"] else "no"] for n, r in run["sessions"].items()]
     settings, lossless, adaptive = run["settings"], run["lossless"], run["adaptive"]
-    head = para(f"`results/load.json`: {run['machine']['cpu']}; `{settings['prompts']}`, {settings['tokens']} "
+    head = para(f"`results/{name}.json`: {run['machine']['cpu']}; `{settings['prompts']}`, {settings['tokens']} "
                 f"tokens a request, {settings['repeats']} repeats in alternating order; {run['duration_s'] / 60:.1f} min.") + "\n"
     tail = para(f"Adaptive drafted {adaptive['drafted_tokens']} tokens in {adaptive['rounds']} rounds, "
                 f"{adaptive['accepted_tokens']} accepted, {adaptive['fallbacks']} fallbacks to plain; "
@@ -431,7 +435,7 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "bench_repeat_heldout": llama("bench_repeat_heldout"),
     "bench_repeat_target_alone": llama("bench_repeat_target_alone"),
     "round_parts": round_parts,
-    "load": load_block,
+    "load_avx2": load_runs("load_avx2"),
     "goals": goals,
     "rows": rows,
     "head_vocab": head_vocab,
