@@ -4,7 +4,7 @@ agreement, replayed through the loop on fakes that charge a host's costs, adapti
 A run on the real services cannot resolve a few per cent on a noisy 2-core host (the same plain
 step moves ±5 % between minutes); a replay is exact and takes seconds, so a policy change is
 weighed here first and then in `specd bench`. What it leaves out: the real passes' noise and the
-time outside the model calls beyond a fixed `--overhead-ms` a round.
+time outside the model calls beyond a fixed `HostCosts.overhead` a round.
 
     .venv/bin/python -m benchmarks.replay --record     # once: the fetched pair, 16 prompts (minutes)
     .venv/bin/python -m benchmarks.replay --draft-ms 18 --draft-ms 16
