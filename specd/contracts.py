@@ -162,6 +162,9 @@ class VerifyReply:
     # the target's probability of its most likely token at each committed position (row 0 .. num_accepted),
     # what the policy reads the text's predictability from (empty: not reported)
     confidence: tuple[float, ...] = ()
+    # sessions the target served in its last passes, these included: what a pass of this session's
+    # holds up, whether they share it or wait for it (1: alone or not reported)
+    active_sessions: int = 1
 
 
 @dataclass(frozen=True)

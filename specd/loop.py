@@ -536,6 +536,7 @@ def _observation(k: int, accepted: int, drafting: _Called | None, verifying: _Ca
         target_cold=verifying.cold,
         target_shared=verifying.reply.batch_size > 1,
         batch_size=verifying.reply.batch_size,
+        active_sessions=verifying.reply.active_sessions,
         pass_rows=verifying.reply.pass_rows,
         wall_s=verifying.wall_s,
         confidence=verifying.reply.confidence,

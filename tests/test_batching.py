@@ -169,6 +169,33 @@ def passes_of(seconds: float, seen: list[list[str]]):
     return run_batch
 
 
+def test_a_pass_reports_the_sessions_it_holds_up_not_only_those_in_it():
+    """a, b and c shared a pass; d's call then takes a pass of its own (no wait): that pass holds up
+    all four (the policy prices a round by them, specd/policy/learning.py), and once a, b and c are
+    two turns gone, d alone."""
+    worker = EngineWorker("test-active")
+    active: list[int] = []
+    batcher = Batcher(worker, lambda items: active.append(batcher.active) or items, key=lambda item: item[0],
+                      batching=Batching(wait=0.0))
+
+    async def main():
+        release = threading.Event()
+        blocked = asyncio.ensure_future(worker.run(release.wait))  # a, b and c queue behind it
+        first = [asyncio.ensure_future(batcher.submit(f"{s}1")) for s in "abc"]
+        while batcher.waiting < 3:
+            await asyncio.sleep(0.01)
+        release.set()
+        await asyncio.gather(blocked, *first)
+        for turn in "234":
+            await batcher.submit(f"d{turn}")
+
+    try:
+        asyncio.run(main())
+    finally:
+        worker.close()
+    assert batcher.batches == 4 and active == [3, 4, 1, 1]
+
+
 @pytest.mark.parametrize("wait", [0.2, 0.0])
 def test_a_turn_waits_briefly_for_the_sessions_the_last_turns_took(wait):
     """a and b shared a pass; b now comes 50 ms after a (its reply from the other service was a
@@ -368,6 +395,7 @@ def test_a_request_that_fails_in_a_batch_fails_alone(cluster):
         assert reply.verdict == expected[session]
         assert reply.queued_s >= HELD_S > reply.compute_s  # the wait is reported as queueing, not as the pass
         assert reply.batch_size == 4  # its compute_s timed the others' rows too
+        assert reply.active_sessions >= 4  # and its pass held up at least those four
         assert reply.pass_rows == 2 * len(prompt) + 2  # over the wire: both prompts and two drafts, not the failed
         assert reply.position == target.position(session) == len(prompt) + reply.verdict.num_accepted + 1
         assert target.tokens(session)[len(prompt):] == (*calls[session][1][: reply.verdict.num_accepted],

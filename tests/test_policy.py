@@ -252,6 +252,29 @@ def test_a_round_is_priced_by_the_pass_it_joins():
     assert relieved.state.mode == SPECULATIVE and round(relieved.state.estimates.batch) == 1
 
 
+def test_a_round_in_a_pass_of_its_own_is_priced_by_the_sessions_that_pass_holds_up():
+    """A drafting session whose verifications take passes of their own (batch_size 1) while seven
+    others stream plain steps: each of its passes holds up all eight (the target reports them), so it
+    is priced as the batch and falls back as a session in their passes would, where the sessions in
+    its pass alone (the signal before) let it speculate for the whole request."""
+    start = PolicyState(estimates=Estimates(draft_step_s=0.014, verify_s=tuple((k, avx2_pass(k + 1)) for k in range(17)),
+                                            rtt_s=RTT))
+
+    def run(active: int) -> Run:
+        rng, ks, state = random.Random(0), [], start
+        for _ in range(60):
+            k = next_k(state, CONFIG)
+            obs = RoundObservation(k, draw_accepted(rng, 0.8, k), k * 0.014, avx2_pass(k + 1), RTT, pass_rows=k + 1,
+                                   active_sessions=active)
+            state = observe(state, obs, CONFIG)
+            ks.append(k)
+        return Run(ks, [], state)
+
+    assert run(active=1).state.mode == SPECULATIVE
+    held_up = run(active=8).state
+    assert held_up.mode == PLAIN and round(held_up.estimates.batch) == 8
+
+
 def test_a_round_is_priced_alone_when_its_pass_is_its_own():
     """The batch-size table is the lone session's verify(K) when nothing shares the pass."""
     est = Estimates(alpha=0.8, draft_step_s=DRAFT_STEP, verify_s=((0, 0.4), (4, 0.56)), rtt_s=RTT)

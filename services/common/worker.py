@@ -127,6 +127,9 @@ class Batcher(Generic[T, R]):
         self._arrived = threading.Condition()  # the worker thread waits on it for missing keys
         self._seen: dict[Hashable, int] = {}  # key -> the turn that last took it
         self._pass_s = 0.0  # recent run_batch time
+        # keys the last GATHER_TURNS turns took, the running one's included (read during run_batch): the
+        # sessions a pass now holds up, whether or not they share it
+        self.active = 0
 
     @property
     def waiting(self) -> int:
@@ -180,6 +183,7 @@ class Batcher(Generic[T, R]):
                 self.batches += 1
                 self._seen = {key: turn for key, turn in self._seen.items() if turn > self.batches - GATHER_TURNS}
                 self._seen.update((key, self.batches) for key in keys)
+                self.active = len(self._seen)
         if not taken:
             return []
         self.largest = max(self.largest, len(taken))

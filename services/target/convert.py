@@ -68,6 +68,7 @@ def reply_to_proto(reply: VerifyReply) -> target_pb2.VerifyResponse:
         batch_size=reply.batch_size,
         pass_rows=reply.pass_rows,
         confidence=reply.confidence,
+        active_sessions=reply.active_sessions,
     )
 
 
@@ -75,5 +76,5 @@ def reply_from_proto(msg: target_pb2.VerifyResponse) -> VerifyReply:
     return VerifyReply(
         Verdict(msg.num_accepted, msg.next_token),
         msg.position, msg.instance_id, msg.compute_s, msg.queued_s, max(1, msg.batch_size), msg.pass_rows,
-        tuple(msg.confidence),
+        tuple(msg.confidence), active_sessions=max(1, msg.active_sessions),
     )

@@ -97,7 +97,9 @@ class TargetServicer(ModelServicer[VerifyRequest, VerifyReply], target_pb2_grpc.
         return await self.submit(request)
 
     def _engine_batch(self, requests: list[VerifyRequest]) -> list[VerifyReply | Exception]:
-        return self.role_engine.verify(requests)
+        active = self.batcher.active
+        return [r if isinstance(r, Exception) else replace(r, active_sessions=max(r.batch_size, active))
+                for r in self.role_engine.verify(requests)]
 
     def _stage(self, request: VerifyRequest) -> str:
         return "verify" if request.proposal.tokens else "step"

@@ -51,7 +51,7 @@ def learn(
 
 def learn_pass(est: Estimates, obs: RoundObservation, w: float, target_cold: bool) -> Estimates:
     """What the target's pass showed: its time at the positions it fed, whoever fed them, and how
-    many sessions share the passes. A cold pass (this session caught up on more than the round's
+    many sessions the passes serve. A cold pass (this session caught up on more than the round's
     tokens) times a prefill, not a step. A target that does not report its rows: a shared pass's
     time is skipped once the estimates are measured (it covers rows this model cannot count)."""
     verify_s = est.verify_s
@@ -60,7 +60,10 @@ def learn_pass(est: Estimates, obs: RoundObservation, w: float, target_cold: boo
     elif not target_cold and not (obs.target_shared and is_measured(est)):
         verify_s = learn_verify(verify_s, obs.k, obs.verify_s, w)
     # A pass of eight costs eight at once: the batch rises with a pass and falls off over a few (EWMA).
-    batch = float(obs.batch_size) if est.observations == 0 else max(float(obs.batch_size), _ewma(est.batch, obs.batch_size, w))
+    # It counts the sessions the pass held up, not only those in it: a round that takes a pass of its
+    # own beside seven streaming sessions stalls all seven.
+    sessions = float(max(obs.batch_size, obs.active_sessions))
+    batch = sessions if est.observations == 0 else max(sessions, _ewma(est.batch, sessions, w))
     return replace(est, verify_s=verify_s, batch=batch)
 
 

@@ -48,7 +48,7 @@ class DecodeStart(_message.Message):
     def __init__(self, step: _Optional[_Union[StepRequest, _Mapping]] = ..., max_steps: _Optional[int] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("num_accepted", "next_token", "position", "instance_id", "compute_s", "queued_s", "batch_size", "pass_rows", "confidence")
+    __slots__ = ("num_accepted", "next_token", "position", "instance_id", "compute_s", "queued_s", "batch_size", "pass_rows", "confidence", "active_sessions")
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
@@ -58,6 +58,7 @@ class VerifyResponse(_message.Message):
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     PASS_ROWS_FIELD_NUMBER: _ClassVar[int]
     CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     num_accepted: int
     next_token: int
     position: int
@@ -67,4 +68,5 @@ class VerifyResponse(_message.Message):
     batch_size: int
     pass_rows: int
     confidence: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, num_accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., position: _Optional[int] = ..., instance_id: _Optional[str] = ..., compute_s: _Optional[float] = ..., queued_s: _Optional[float] = ..., batch_size: _Optional[int] = ..., pass_rows: _Optional[int] = ..., confidence: _Optional[_Iterable[float]] = ...) -> None: ...
+    active_sessions: int
+    def __init__(self, num_accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., position: _Optional[int] = ..., instance_id: _Optional[str] = ..., compute_s: _Optional[float] = ..., queued_s: _Optional[float] = ..., batch_size: _Optional[int] = ..., pass_rows: _Optional[int] = ..., confidence: _Optional[_Iterable[float]] = ..., active_sessions: _Optional[int] = ...) -> None: ...
