@@ -211,20 +211,22 @@ def avx2_pass(rows: int) -> float:
     return 0.043 + 0.013 * (rows - 1)
 
 
-def batched_round(k: int, accepted: int, sessions: int) -> RoundObservation:
-    """A round in a pass with `sessions` sessions that each draft k (the target reports the rows it fed)."""
+def batched_round(k: int, accepted: int, sessions: int, active: int | None = None) -> RoundObservation:
+    """A round in a pass with `sessions` sessions that each draft k (the target reports the rows it fed
+    and the sessions its passes serve: `active`, else those in this one)."""
     rows = sessions * (k + 1)
     draft_s = k * (0.014 + 0.005 * (sessions - 1))
     return RoundObservation(k, accepted, draft_s, avx2_pass(rows), RTT, target_shared=sessions > 1,
-                            batch_size=sessions, pass_rows=rows)
+                            batch_size=sessions, pass_rows=rows, active_sessions=active or sessions)
 
 
-def simulate_batched(alpha: float, sessions, rounds: int, state: PolicyState, seed: int = 0) -> Run:
-    """`sessions`: the pass's sessions at each round index."""
+def simulate_batched(alpha: float, sessions, rounds: int, state: PolicyState, seed: int = 0,
+                     active: int | None = None) -> Run:
+    """`sessions`: the pass's sessions at each round index; `active`: the sessions the passes serve."""
     rng, ks, modes = random.Random(seed), [], []
     for i in range(rounds):
         k = next_k(state, CONFIG)
-        state = observe(state, batched_round(k, draw_accepted(rng, alpha, k), sessions(i)), CONFIG)
+        state = observe(state, batched_round(k, draw_accepted(rng, alpha, k), sessions(i), active), CONFIG)
         ks.append(k)
         modes.append(state.mode)
     return Run(ks, modes, state)
@@ -259,19 +261,8 @@ def test_a_round_in_a_pass_of_its_own_is_priced_by_the_sessions_that_pass_holds_
     its pass alone (the signal before) let it speculate for the whole request."""
     start = PolicyState(estimates=Estimates(draft_step_s=0.014, verify_s=tuple((k, avx2_pass(k + 1)) for k in range(17)),
                                             rtt_s=RTT))
-
-    def run(active: int) -> Run:
-        rng, ks, state = random.Random(0), [], start
-        for _ in range(60):
-            k = next_k(state, CONFIG)
-            obs = RoundObservation(k, draw_accepted(rng, 0.8, k), k * 0.014, avx2_pass(k + 1), RTT, pass_rows=k + 1,
-                                   active_sessions=active)
-            state = observe(state, obs, CONFIG)
-            ks.append(k)
-        return Run(ks, [], state)
-
-    assert run(active=1).state.mode == SPECULATIVE
-    held_up = run(active=8).state
+    assert simulate_batched(0.8, lambda i: 1, 60, start).state.mode == SPECULATIVE
+    held_up = simulate_batched(0.8, lambda i: 1, 60, start, active=8).state
     assert held_up.mode == PLAIN and round(held_up.estimates.batch) == 8
 
 

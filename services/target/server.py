@@ -97,8 +97,8 @@ class TargetServicer(ModelServicer[VerifyRequest, VerifyReply], target_pb2_grpc.
         return await self.submit(request)
 
     def _engine_batch(self, requests: list[VerifyRequest]) -> list[VerifyReply | Exception]:
-        active = self.batcher.active
-        return [r if isinstance(r, Exception) else replace(r, active_sessions=max(r.batch_size, active))
+        active = self.batcher.active  # this turn's sessions among them
+        return [r if isinstance(r, Exception) else replace(r, active_sessions=active)
                 for r in self.role_engine.verify(requests)]
 
     def _stage(self, request: VerifyRequest) -> str:
