@@ -178,6 +178,8 @@ class EngineInfo:
     reason: str  # why this mode
     vocab_digest: str = ""  # sha256 of the vocabulary (specd/gguf_meta.py); "": unknown, not checked
     model: str = ""  # the model it loaded (file or directory name)
+    compute: tuple[str, ...] = ()  # what it computes on: "<boot id>/cpu<n>" each, or "gpu/<uuid>" (services/common/compute.py)
+    threads: int = 0  # the threads its CPU passes use
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import pytest
 
 from specd import numerics
 from services import cli
-from services.common import model_main, settings
+from services.common import compute, model_main, settings
 from services.common.metrics import exposition
 from services.protogen.specd.v1 import common_pb2, coordinator_pb2, draft_pb2_grpc, target_pb2_grpc
 from tests.procs import up_commands, value
@@ -73,6 +73,7 @@ def shown(c: Cluster) -> dict[str, dict]:
         engine, choice = servicer.engine, servicer.engine.numerics
         assert (info.numerics, info.invariant, info.reason) == (choice.mode, choice.invariant, choice.reason)
         assert (info.quantize, info.instance_id) == (engine.config.quantize, engine.instance_id)
+        assert tuple(info.compute) == compute.units("cpu") and info.threads >= 1  # what the coordinator weighs
         labels = f'invariant="{str(info.invariant).lower()}",mode="{info.numerics}",quantize="{info.quantize}"'
         served = exposition(servicer.metrics.registry)[0].decode().splitlines()  # what /metrics serves
         assert f"specd:engine_numerics_info{{{labels}}} 1.0" in served

@@ -266,6 +266,25 @@ def test_a_round_in_a_pass_of_its_own_is_priced_by_the_sessions_that_pass_holds_
     assert held_up.mode == PLAIN and round(held_up.estimates.batch) == 8
 
 
+def test_a_draft_that_shares_the_targets_compute_is_priced_by_the_sessions_its_steps_hold_up():
+    """One session drafting beside seven streaming plain steps (each of its passes 8 + K rows), a draft
+    that is always right: where the draft has compute of its own, its K steps delay only its session
+    and speculation pays; where it runs on the target's cores (`draft_contends`), every step is taken
+    from the seven's passes too, and the same rounds fall back (seen on a 2-core host: one such session
+    drafting for 14 s of an 8-session phase, the phase 0.82x plain)."""
+    def joined(k: int) -> RoundObservation:
+        return RoundObservation(k, k, 0.014 * k, avx2_pass(8 + k), RTT, target_shared=True, batch_size=8,
+                                pass_rows=8 + k, active_sessions=8)
+
+    start = PolicyState(estimates=Estimates(draft_step_s=0.014, verify_s=tuple((k, avx2_pass(k + 1)) for k in range(17)),
+                                            rtt_s=RTT))
+    for config, mode in ((CONFIG, SPECULATIVE), (replace(CONFIG, draft_contends=True), PLAIN)):
+        state = start
+        for _ in range(40):
+            state = observe(state, joined(next_k(state, config)), config)
+        assert state.mode == mode and round(state.estimates.batch) == 8, config
+
+
 def test_a_round_is_priced_alone_when_its_pass_is_its_own():
     """The batch-size table is the lone session's verify(K) when nothing shares the pass."""
     est = Estimates(alpha=0.8, draft_step_s=DRAFT_STEP, verify_s=((0, 0.4), (4, 0.56)), rtt_s=RTT)

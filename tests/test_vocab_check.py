@@ -17,6 +17,7 @@ import pytest
 
 from services.common import convert
 from services.coordinator import root
+from services.coordinator.requests import Limits
 from services.coordinator.root import VocabularyMismatch, check_vocabularies
 from services.protogen.specd.v1 import common_pb2, draft_pb2_grpc, target_pb2_grpc
 from specd import gguf_meta
@@ -148,6 +149,8 @@ def test_start_up_checks_before_calibrating(monkeypatch):
     class Frontend:
         class services:
             drafter, verifier = Pool(info("a" * 64)), Pool(info("b" * 64))
+
+        limits = Limits()
 
         async def seed_prior(self):
             calls.append("calibrate")

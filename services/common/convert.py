@@ -20,12 +20,12 @@ def session_info_to_proto(position: int, kv_length: int, instance_id: str) -> co
 def engine_info_to_proto(info: EngineInfo) -> common_pb2.EngineInfo:
     return common_pb2.EngineInfo(instance_id=info.instance_id, numerics=info.numerics, quantize=info.quantize,
                                  invariant=info.invariant, reason=info.reason, vocab_digest=info.vocab_digest,
-                                 model=info.model)
+                                 model=info.model, compute=info.compute, threads=info.threads)
 
 
 def engine_info_from_proto(msg: common_pb2.EngineInfo) -> EngineInfo:
     return EngineInfo(msg.instance_id, msg.numerics, msg.quantize, msg.invariant, msg.reason, msg.vocab_digest,
-                      msg.model)
+                      msg.model, tuple(msg.compute), msg.threads)
 
 
 def load_to_proto(load: ReplicaLoad) -> common_pb2.ReplicaLoad:

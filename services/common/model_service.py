@@ -19,7 +19,7 @@ from opentelemetry.trace import Span, Status, StatusCode
 from specd.contracts import DraftReply, EngineInfo, ProposeRequest, ReplicaLoad, VerifyReply, VerifyRequest
 from specd.engine import EngineConfig, ModelEngine
 from specd.role_engine import RoleEngine
-from services.common import convert
+from services.common import compute, convert
 from services.common.errors import Draining, grpc_errors
 from services.common.metrics import ModelMetrics
 from services.common.worker import Batcher, Batching, EngineWorker, SharedCores
@@ -45,6 +45,7 @@ class ModelServicer(Generic[Request, Reply]):
         self.role_engine = role_engine
         self.engine = role_engine.engine
         self.worker = worker
+        self.compute = compute.units(self.engine.config.device), worker.call(compute.threads)
         self.metrics = ModelMetrics()
         self.metrics.engine_loaded(self.engine_info())
         self.batcher = Batcher(worker, self._run_batch, key=lambda queued: queued.request.session_id, batching=batching)
@@ -145,7 +146,7 @@ class ModelServicer(Generic[Request, Reply]):
         # vocab_digest: the GGUF engine's (specd/gguf_meta.py); an HF directory's engine may have none
         return EngineInfo(self.engine.instance_id, choice.mode, self.engine.config.quantize, choice.invariant,
                           choice.reason, getattr(self.engine, "vocab_digest", "") or "",
-                          Path(self.engine.config.model_dir).name)
+                          Path(self.engine.config.model_dir).name, *self.compute)
 
     @grpc_errors
     async def GetEngineInfo(self, request: common_pb2.EngineInfoRequest, context: grpc.aio.ServicerContext):

@@ -18,7 +18,8 @@ from services.coordinator.model_info import ModelInfo
 
 @dataclass(frozen=True)
 class Limits:
-    """The server's bounds on requests; the policy's own defaults (specd/policy/base.py) are the one source."""
+    """The server's bounds on requests, and what the policy must know of the deployment; the policy's own
+    defaults (specd/policy/base.py) are the one source."""
 
     default_k: int = PolicyConfig.default_k
     max_k: int = PolicyConfig.max_k
@@ -31,6 +32,7 @@ class Limits:
     min_confidence: float = PolicyConfig.min_confidence  # adaptive K's confidence stop
     request_timeout_s: float = 900.0  # a REST request's whole life, its reply streamed to the end
     stream_stall_s: float = 30.0  # how long one streamed write may wait on a client that does not read
+    draft_contends: bool = PolicyConfig.draft_contends  # found at start-up (root.start_up)
 
 
 @dataclass(frozen=True)
@@ -102,6 +104,7 @@ def policy_config(limits: Limits, max_k: int) -> PolicyConfig:
     """The policy of a request that may draft up to max_k (at most the server's)."""
     return PolicyConfig(
         max_k=max_k, default_k=min(limits.default_k, max_k), min_confidence=limits.min_confidence,
+        draft_contends=limits.draft_contends,
     )
 
 

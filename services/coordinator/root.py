@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+from dataclasses import replace
 from pathlib import Path
 
 from specd import audit
@@ -19,7 +20,7 @@ from specd.model_free import SuffixDrafter
 from specd.outage import DRAFT_TIMEOUT_S, DraftOutage
 from specd.policy import PolicyConfig
 from specd.priority import Background, RoundGate
-from services.common import discovery, settings
+from services.common import compute, discovery, settings
 from services.common.client import NetworkDelay
 from services.common.tls import CALLER, EdgeTls, TlsFiles, refuse_plaintext
 from services.coordinator.auth import ApiKeys
@@ -239,10 +240,11 @@ class VocabularyMismatch(RuntimeError):
 
 
 async def check_vocabularies(drafter: Drafter | None, verifier: Verifier, attempts: int = CALIBRATION_ATTEMPTS,
-                             retry_s: float = CALIBRATION_RETRY_S) -> None:
+                             retry_s: float = CALIBRATION_RETRY_S) -> dict[str, list[EngineInfo]]:
     """Ask every replica of both pools what it runs (retrying while the pools come up) and raise
     VocabularyMismatch, naming the models, when their vocabulary digests differ. A replica with no
-    digest (an HF directory's engine) is not compared; giving up waiting costs only the check."""
+    digest (an HF directory's engine) is not compared; giving up waiting costs only the check.
+    Returns the answers by role ("draft", "target")."""
     pools = {role: pool for role, pool in (("draft", drafter), ("target", verifier)) if pool is not None}
     answers: dict[str, list[EngineInfo]] = {}
     for attempt in range(attempts):
@@ -269,13 +271,18 @@ async def check_vocabularies(drafter: Drafter | None, verifier: Verifier, attemp
             "(same tokens, same ids); start a draft made for this target")
     if known:
         log.info("vocabulary check: %d replicas share vocabulary %s", len(known), known[0][1].vocab_digest[:16])
+    return answers
 
 
 async def start_up(frontend: Frontend, calibrate: bool) -> None:
     """The vocabulary check (VocabularyMismatch: the caller stops), then start-up calibration,
     each retried while the model services come up (compose and k8s start them in any order);
     giving up costs only the check, or the exploration calibration would have saved."""
-    await check_vocabularies(frontend.services.drafter, frontend.services.verifier)
+    engines = await check_vocabularies(frontend.services.drafter, frontend.services.verifier)
+    contends = compute.contends(engines.get("draft", ()), engines.get("target", ()))
+    frontend.limits = replace(frontend.limits, draft_contends=contends)
+    log.info("the draft %s the target's compute: the policy prices its steps %s", "shares" if contends else
+             "does not share", "by every session they hold up" if contends else "as its session's")
     if not calibrate:
         return
     for attempt in range(CALIBRATION_ATTEMPTS):

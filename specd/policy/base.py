@@ -38,6 +38,7 @@ class PolicyConfig:
     alpha_window: int = 16  # rounds of evidence behind α (its counts decay by 1 - 1/alpha_window a round)
     min_confidence: float = 0.4  # confidence stop: drafting ends after a draft with q(token) below this (0: off),
     # as transformers' assisted generation's default
+    draft_contends: bool = False  # the draft computes on what the target's passes use (one host's cores, one GPU)
 
     def validate(self) -> None:
         validate_that(self.max_k >= 1, f"max_k must be >= 1, got {self.max_k}")
@@ -99,6 +100,7 @@ class Estimates:
     confidence_expected: float = 0.0  # decayed sum of the target's confidence at those drafts' positions
     batch: float = 1.0  # sessions sharing the target's passes (up at once, down by EWMA): a round is priced as a pass of them all
     draft_batched: tuple[tuple[int, float], ...] = ()  # the draft step with that many sessions in the passes (> 1)
+    draft_contends: bool = False  # PolicyConfig's, kept beside the timings it prices (cost.round_time)
 
     @functools.cached_property
     def derived(self) -> dict:

@@ -36,10 +36,15 @@ def verify_time(est: Estimates, k: int) -> float | None:
     at its own rows alone would speculate where the batch loses."""
     batch = batch_sessions(est)
     alike = pass_time(est, batch * (k + 1) - 1)
-    joined = pass_time(est, batch - 1 + k)
     if batch == 1 or alike is None:
         return alike
-    return max(alike, joined + (batch - 1) * (joined - pass_time(est, batch - 1)))
+    return max(alike, joined_time(est, k, batch))
+
+
+def joined_time(est: Estimates, k: int, batch: int) -> float:
+    """A pass of K + 1 positions beside B - 1 plain steps, with the wait its K add to each of them."""
+    joined = pass_time(est, batch - 1 + k)
+    return joined + (batch - 1) * (joined - pass_time(est, batch - 1))
 
 
 def batch_sessions(est: Estimates) -> int:
@@ -126,8 +131,17 @@ def plain_time(est: Estimates) -> float:
 
 
 def round_time(est: Estimates, k: int) -> float:
-    """T(K) of docs/policy.md: one synchronous round with K drafts. Needs `is_measured(est)`."""
-    return k * draft_step(est) + verify_time(est, k) + 2 * est.rtt_s
+    """T(K) of docs/policy.md: one synchronous round with K drafts. Needs `is_measured(est)`. Where the
+    draft contends for the target's compute (`Estimates.draft_contends`: one host's cores, one GPU), a
+    round that drafts beside B - 1 sessions' plain steps also costs each of them its K draft steps,
+    taken from their passes: K·step·B beside its joined pass (the step as timed at this B: under load
+    it waits for the cores too), the dearer of that and the batched price."""
+    batch = batch_sessions(est)
+    step = draft_step(est)
+    drafted = k * step + verify_time(est, k)
+    if est.draft_contends and batch > 1:
+        drafted = max(drafted, k * step * batch + joined_time(est, k, batch))
+    return drafted + 2 * est.rtt_s
 
 
 def draft_step(est: Estimates) -> float:

@@ -139,8 +139,11 @@ def model_rate(est: Estimates, k: int, lag: int, remaining: int, exit_s: float =
 
 def catch_up_time(est: Estimates, lag: int) -> float:
     """The draft's pass over `lag` tokens, priced as the pass it joins (cost.verify_time's rule):
-    B sessions that each catch up as much, its one-position step grown to B·lag positions."""
-    return grown(est, est.draft_step_s, 1, batch_sessions(est) * lag)
+    B sessions that each catch up as much, its one-position step grown to B·lag positions; where the
+    draft contends for the target's compute, at least its own pass held by all B (cost.round_time)."""
+    batch = batch_sessions(est)
+    alike = grown(est, est.draft_step_s, 1, batch * lag)
+    return max(alike, batch * grown(est, est.draft_step_s, 1, lag)) if est.draft_contends else alike
 
 
 def learn_free(est: Estimates, obs: RoundObservation, scores: Sequence[float], config: PolicyConfig) -> Estimates:
@@ -150,7 +153,7 @@ def learn_free(est: Estimates, obs: RoundObservation, scores: Sequence[float], c
     expected = decayed(est.free_expected, sum(scores[: obs.k]), config.alpha_window)
     est = learn_offer(learn_pass(est, obs, config.smoothing, obs.target_cold), obs, config.alpha_window)
     est = learn_text(est, obs, config.alpha_window)
-    return replace(est, free_accepted=accepted, free_expected=expected)
+    return replace(est, free_accepted=accepted, free_expected=expected, draft_contends=config.draft_contends)
 
 
 def observe_free(state: PolicyState, obs: RoundObservation, scores: Sequence[float], config: PolicyConfig) -> PolicyState:

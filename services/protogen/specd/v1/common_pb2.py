@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15specd/v1/common.proto\x12\x08specd.v1\"Q\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\x0c\n\x04seed\x18\x04 \x01(\x04\"C\n\tSyncPoint\x12\x11\n\tstart_pos\x18\x01 \x01(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\r\x12\x13\n\x0binstance_id\x18\x03 \x01(\t\".\n\nSparseDist\x12\x11\n\ttoken_ids\x18\x01 \x01(\x0c\x12\r\n\x05probs\x18\x02 \x01(\x0c\" \n\nSessionRef\x12\x12\n\nsession_id\x18\x01 \x01(\t\"G\n\x0bSessionInfo\x12\x10\n\x08position\x18\x01 \x01(\r\x12\x11\n\tkv_length\x18\x02 \x01(\r\x12\x13\n\x0binstance_id\x18\x03 \x01(\t\"\x13\n\x11\x45ngineInfoRequest\"\x9f\x01\n\nEngineInfo\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x10\n\x08numerics\x18\x02 \x01(\t\x12\x10\n\x08quantize\x18\x03 \x01(\t\x12\x11\n\tinvariant\x18\x04 \x01(\x08\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x14\n\x0cvocab_digest\x18\x07 \x01(\t\x12\r\n\x05model\x18\x08 \x01(\tJ\x04\x08\x06\x10\x07R\nrow_blocks\"\r\n\x0bLoadRequest\"\x96\x01\n\x0bReplicaLoad\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x10\n\x08sessions\x18\x02 \x01(\r\x12\x14\n\x0cmax_sessions\x18\x03 \x01(\r\x12\x0e\n\x06queued\x18\x04 \x01(\r\x12\x11\n\tmax_batch\x18\x05 \x01(\r\x12\x10\n\x08\x64raining\x18\x06 \x01(\x08\x12\x15\n\rcached_tokens\x18\x07 \x01(\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15specd/v1/common.proto\x12\x08specd.v1\"Q\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\x0c\n\x04seed\x18\x04 \x01(\x04\"C\n\tSyncPoint\x12\x11\n\tstart_pos\x18\x01 \x01(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\r\x12\x13\n\x0binstance_id\x18\x03 \x01(\t\".\n\nSparseDist\x12\x11\n\ttoken_ids\x18\x01 \x01(\x0c\x12\r\n\x05probs\x18\x02 \x01(\x0c\" \n\nSessionRef\x12\x12\n\nsession_id\x18\x01 \x01(\t\"G\n\x0bSessionInfo\x12\x10\n\x08position\x18\x01 \x01(\r\x12\x11\n\tkv_length\x18\x02 \x01(\r\x12\x13\n\x0binstance_id\x18\x03 \x01(\t\"\x13\n\x11\x45ngineInfoRequest\"\xc1\x01\n\nEngineInfo\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x10\n\x08numerics\x18\x02 \x01(\t\x12\x10\n\x08quantize\x18\x03 \x01(\t\x12\x11\n\tinvariant\x18\x04 \x01(\x08\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x14\n\x0cvocab_digest\x18\x07 \x01(\t\x12\r\n\x05model\x18\x08 \x01(\t\x12\x0f\n\x07\x63ompute\x18\t \x03(\t\x12\x0f\n\x07threads\x18\n \x01(\rJ\x04\x08\x06\x10\x07R\nrow_blocks\"\r\n\x0bLoadRequest\"\x96\x01\n\x0bReplicaLoad\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x10\n\x08sessions\x18\x02 \x01(\r\x12\x14\n\x0cmax_sessions\x18\x03 \x01(\r\x12\x0e\n\x06queued\x18\x04 \x01(\r\x12\x11\n\tmax_batch\x18\x05 \x01(\r\x12\x10\n\x08\x64raining\x18\x06 \x01(\x08\x12\x15\n\rcached_tokens\x18\x07 \x01(\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -44,9 +44,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ENGINEINFOREQUEST']._serialized_start=342
   _globals['_ENGINEINFOREQUEST']._serialized_end=361
   _globals['_ENGINEINFO']._serialized_start=364
-  _globals['_ENGINEINFO']._serialized_end=523
-  _globals['_LOADREQUEST']._serialized_start=525
-  _globals['_LOADREQUEST']._serialized_end=538
-  _globals['_REPLICALOAD']._serialized_start=541
-  _globals['_REPLICALOAD']._serialized_end=691
+  _globals['_ENGINEINFO']._serialized_end=557
+  _globals['_LOADREQUEST']._serialized_start=559
+  _globals['_LOADREQUEST']._serialized_end=572
+  _globals['_REPLICALOAD']._serialized_start=575
+  _globals['_REPLICALOAD']._serialized_end=725
 # @@protoc_insertion_point(module_scope)

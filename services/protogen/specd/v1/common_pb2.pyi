@@ -57,7 +57,7 @@ class EngineInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineInfo(_message.Message):
-    __slots__ = ("instance_id", "numerics", "quantize", "invariant", "reason", "vocab_digest", "model")
+    __slots__ = ("instance_id", "numerics", "quantize", "invariant", "reason", "vocab_digest", "model", "compute", "threads")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     NUMERICS_FIELD_NUMBER: _ClassVar[int]
     QUANTIZE_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +65,8 @@ class EngineInfo(_message.Message):
     REASON_FIELD_NUMBER: _ClassVar[int]
     VOCAB_DIGEST_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_FIELD_NUMBER: _ClassVar[int]
+    THREADS_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     numerics: str
     quantize: str
@@ -72,7 +74,9 @@ class EngineInfo(_message.Message):
     reason: str
     vocab_digest: str
     model: str
-    def __init__(self, instance_id: _Optional[str] = ..., numerics: _Optional[str] = ..., quantize: _Optional[str] = ..., invariant: _Optional[bool] = ..., reason: _Optional[str] = ..., vocab_digest: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
+    compute: _containers.RepeatedScalarFieldContainer[str]
+    threads: int
+    def __init__(self, instance_id: _Optional[str] = ..., numerics: _Optional[str] = ..., quantize: _Optional[str] = ..., invariant: _Optional[bool] = ..., reason: _Optional[str] = ..., vocab_digest: _Optional[str] = ..., model: _Optional[str] = ..., compute: _Optional[_Iterable[str]] = ..., threads: _Optional[int] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
     __slots__ = ()
