@@ -436,6 +436,7 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "bench_repeat_target_alone": llama("bench_repeat_target_alone"),
     "round_parts": round_parts,
     "load_avx2": load_runs("load_avx2"),
+    "load_avx2_contends": load_runs("load_avx2_contends"),
     "goals": goals,
     "rows": rows,
     "head_vocab": head_vocab,
