@@ -8,6 +8,7 @@ so every run places the sessions the same way. Output must equal the target alon
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -230,13 +231,19 @@ def test_one_draft_batches_sessions_of_every_target_replica(tiny_pair, redis_url
     batches: list[list[str]] = []
     engine_batch = draft._engine_batch
     draft._engine_batch = lambda requests: (batches.append([r.session_id for r in requests]), engine_batch(requests))[1]
-    prompts = {f"shared-draft-{i}": model.encode(f"Session {i} says:") for i in range(8)}
+    prompts: dict[str, list[int]] = {}
 
     async def run() -> dict[str, list[int]]:
         servers = []
         for register in (draft_server.register(draft), *(target_server.register(t) for t in targets)):
             servers.append(await start_server(register, "127.0.0.1:0"))
         draft_addr, *target_addrs = (f"127.0.0.1:{port}" for _, port in servers)
+        # four sessions that each replica ranks first (placement.rank): eight names at random land
+        # all on one replica once in 128 runs, whatever the code does
+        for replica in target_addrs:
+            names = (f"shared-draft-{i}" for i in itertools.count())
+            for name in itertools.islice((n for n in names if placement.rank(n, target_addrs)[0] == replica), 4):
+                prompts[name] = model.encode(f"Session {name} says:")
         services = Services(GrpcDrafter([draft_addr]), GrpcVerifier(target_addrs), RedisSessionStore(redis_url))
         frontend = Frontend(services, model, Limits())
 
