@@ -45,7 +45,8 @@ class ModelServicer(Generic[Request, Reply]):
         self.role_engine = role_engine
         self.engine = role_engine.engine
         self.worker = worker
-        self.compute = compute.units(self.engine.config.device), worker.call(compute.threads)
+        self.compute_units = compute.units(self.engine.config.device)
+        self.threads = worker.call(compute.threads)  # torch's count is per thread: the engine's
         self.metrics = ModelMetrics()
         self.metrics.engine_loaded(self.engine_info())
         self.batcher = Batcher(worker, self._run_batch, key=lambda queued: queued.request.session_id, batching=batching)
@@ -146,7 +147,7 @@ class ModelServicer(Generic[Request, Reply]):
         # vocab_digest: the GGUF engine's (specd/gguf_meta.py); an HF directory's engine may have none
         return EngineInfo(self.engine.instance_id, choice.mode, self.engine.config.quantize, choice.invariant,
                           choice.reason, getattr(self.engine, "vocab_digest", "") or "",
-                          Path(self.engine.config.model_dir).name, *self.compute)
+                          Path(self.engine.config.model_dir).name, compute=self.compute_units, threads=self.threads)
 
     @grpc_errors
     async def GetEngineInfo(self, request: common_pb2.EngineInfoRequest, context: grpc.aio.ServicerContext):
