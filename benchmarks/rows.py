@@ -3,24 +3,32 @@ costs, on the fetched GGUF file as specd serves it. The repeats go round the row
 count once, then again), so a slow minute of this shared host hits them all alike.
 
     .venv/bin/python -m benchmarks.rows [--repeats 7] [--max-rows 16] [--role draft] [--model PATH]
-                                        [--llama-server PATH]
+                                        [--llama-server PATH] [--against REV]
 
 Writes benchmarks/results/rows.json (rows_draft.json; SPECD_MARCH=haswell adds _haswell: the AVX2
 build on this host; `--name` another name, e.g. rows_avx2 for an AVX2-only host): per row count the
 median pass time; with
 `--llama-server`, also llama.cpp's own decoding time per token on the same file and threads (its
 `predicted_per_token_ms`, generating LLAMA_TOKENS after the same held tokens), measured after ours.
+`--against REV`: the kernels of git revision REV (its specd/csrc) as well, before and after in one
+run: each build's engine in a process of its own, their passes taken in turn (each row count by
+one, then the other, the order alternating by repeat), so a slow minute of the host hits both.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-from pathlib import Path
-
+import io
 import json
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
 import urllib.request
+from collections.abc import Callable
+from pathlib import Path
 
 from benchmarks import llama_server
 from benchmarks.common import machine, write
@@ -28,6 +36,7 @@ from specd import native
 from specd.engine import EngineConfig, ModelEngine
 from services.models import model_path
 
+ROOT = Path(__file__).resolve().parents[1]
 CONTEXT = 160  # tokens the session holds: a prompt and some output
 LLAMA_TOKENS = 32  # llama-server's tokens per request: its context stays near CONTEXT
 
@@ -54,12 +63,59 @@ def holding_context(engine: ModelEngine) -> ModelEngine:
     return engine
 
 
-def sweep(engine: ModelEngine, max_rows: int, repeats: int) -> dict[int, float]:
-    times: dict[int, list[float]] = {r: [] for r in range(1, max_rows + 1)}
-    for _ in range(repeats):
-        for rows in times:
-            times[rows].append(pass_s(engine, rows))
-    return {r: round(statistics.median(ts), 4) for r, ts in times.items()}
+def sweep(passes: dict[str, Callable[[int], float]], max_rows: int, repeats: int) -> dict[str, dict[int, float]]:
+    """Per named pass function, the median seconds by row count; within a repeat each row count runs
+    on every function in turn, the order reversed on every other repeat."""
+    times = {name: {r: [] for r in range(1, max_rows + 1)} for name in passes}
+    for repeat in range(repeats):
+        for rows in range(1, max_rows + 1):
+            for name in (list(passes) if repeat % 2 == 0 else reversed(list(passes))):
+                times[name][rows].append(passes[name](rows))
+    return {name: {r: round(statistics.median(ts), 4) for r, ts in by_rows.items()} for name, by_rows in times.items()}
+
+
+def extra_row_s(pass_s: dict[int, float], rows: int = 5) -> float:
+    """What each row after the first adds, up to a verification of `rows` - 1 drafts."""
+    return round((pass_s[rows] - pass_s[1]) / (rows - 1), 5)
+
+
+class PassServer:
+    """An engine in a process of its own, built from the kernels in `csrc` (None: this checkout's),
+    that times one pass of the rows it is sent."""
+
+    def __init__(self, model: Path, threads: int, csrc: Path | None = None):
+        command = [sys.executable, "-m", "benchmarks.rows", "--serve-passes", "--model", str(model),
+                   "--threads", str(threads), *(["--csrc", str(csrc)] if csrc else [])]
+        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+        ready = self.process.stdout.readline()
+        if not ready:
+            raise RuntimeError(f"the pass server {command} did not start")
+        self.numerics: str = json.loads(ready)["numerics"]
+
+    def pass_s(self, rows: int) -> float:
+        self.process.stdin.write(f"{rows}\n")
+        self.process.stdin.flush()
+        return float(self.process.stdout.readline())
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        self.process.wait(timeout=60)
+
+
+def serve_passes(engine: ModelEngine) -> None:
+    """--serve-passes: its numerics when ready, then for each row count read from stdin the seconds of one pass."""
+    print(json.dumps({"numerics": engine.numerics.reason}), flush=True)
+    for line in sys.stdin:
+        print(pass_s(engine, int(line)), flush=True)
+
+
+def kernel_sources(rev: str, into: Path) -> Path:
+    """specd/csrc as git revision `rev` has it, extracted under `into`."""
+    archive = subprocess.run(["git", "archive", "--format=tar", rev, "specd/csrc"], cwd=ROOT, check=True,
+                             capture_output=True).stdout
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(into, filter="data")
+    return into / "specd" / "csrc"
 
 
 def llama_per_token_s(binary: Path, model: Path, threads: int, repeats: int) -> float:
@@ -83,18 +139,35 @@ def main() -> None:
     parser.add_argument("--role", default="target", choices=("target", "draft"))
     parser.add_argument("--model", type=Path, help="a GGUF file (default: the role's fetched file)")
     parser.add_argument("--llama-server", type=Path, help="llama.cpp's llama-server: its time per token too")
+    parser.add_argument("--against", metavar="REV", help="a git revision whose kernels are timed beside this one's")
     parser.add_argument("--name", help="the result's name (default rows, rows_draft, rows_<march>)")
+    parser.add_argument("--serve-passes", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--csrc", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     path = args.model or model_path(args.role)
-    engine = holding_context(ModelEngine(EngineConfig(path, threads=args.threads, quantize="auto")))
-    result = {
-        "benchmark": "rows", "model": path.name, "role": args.role, "numerics": engine.numerics.reason,
-        "march": native.default_march(),
-        "threads": args.threads, "context": CONTEXT, "repeats": args.repeats, "machine": machine(),
-        "pass_s": sweep(engine, args.max_rows, args.repeats),
-    }
+    if args.serve_passes:
+        if args.csrc:
+            native.CSRC = args.csrc  # this process only: the kernels of the revision it stands for
+        serve_passes(holding_context(ModelEngine(EngineConfig(path, threads=args.threads, quantize="auto"))))
+        return
+    result = {"benchmark": "rows", "model": path.name, "role": args.role, "march": native.default_march(),
+              "threads": args.threads, "context": CONTEXT, "repeats": args.repeats, "machine": machine()}
+    with tempfile.TemporaryDirectory() as tmp:
+        servers = {"pass_s": PassServer(path, args.threads)}
+        if args.against:
+            servers["against_pass_s"] = PassServer(path, args.threads, kernel_sources(args.against, Path(tmp)))
+        try:
+            result["numerics"] = servers["pass_s"].numerics
+            result |= sweep({name: server.pass_s for name, server in servers.items()}, args.max_rows, args.repeats)
+        finally:
+            for server in servers.values():
+                server.close()
+    if args.against:
+        commit = subprocess.run(["git", "rev-parse", args.against], cwd=ROOT, check=True, capture_output=True,
+                                text=True).stdout.strip()
+        result["against"] = {"rev": args.against, "commit": commit}
+        result["extra_row_s"] = {"this": extra_row_s(result["pass_s"]), "against": extra_row_s(result["against_pass_s"])}
     if args.llama_server:
-        del engine  # its cores and memory back before llama-server starts
         result["llama_server_per_token_s"] = llama_per_token_s(args.llama_server, path, args.threads, args.repeats)
     print(result)
     name = args.name or ("rows" + ("" if args.role == "target" else "_draft")

@@ -44,6 +44,16 @@ def test_a_head_dim_off_the_attention_s_four_chunk_stride_equals_transformers(tm
     torch.testing.assert_close(ours, hf_logits(path, PROMPT), rtol=0, atol=1e-4)
 
 
+def test_an_intermediate_off_the_gate_s_eight_value_chunks_equals_transformers_and_one_row_steps(tmp_path):
+    """The gated activation runs 8 values at a time and a row's tail padded through the same code:
+    intermediate 100 ends each row on 4 (every tiny arch above has a multiple of 8)."""
+    model = GGUFModel(write_tiny(tmp_path / "llama.gguf", "llama", "F32", intermediate=100))
+    ours = model.forward([model.new_cache()], [PROMPT], [len(PROMPT)])[0]
+    torch.testing.assert_close(ours, hf_logits(model.path, PROMPT), rtol=0, atol=1e-4)
+    together = model.forward([model.new_cache()], [PROMPT[:9]], [5])[0]  # its last 5 rows
+    assert torch.equal(together, _steps(model, PROMPT[:4], PROMPT[4:9]))
+
+
 def _steps(model: GGUFModel, prefix: list[int], tokens: list[int]) -> torch.Tensor:
     cache = model.new_cache()
     model.forward([cache], [prefix], [1])

@@ -96,6 +96,36 @@ static void rotate(float *x, const float *cos, const float *sin, int64_t dims, i
     }
 }
 
+/* e^x of 8 floats: Cephes' single-precision polynomial after x = n ln 2 + r (within 2 ulp of expf),
+ * x clamped to [-87.34, 88.38] (the normal floats' range). A lane's result depends on its value
+ * alone, so every row and position gets the same e^x whatever the lanes beside it. */
+static inline __m256 exp8(__m256 x)
+{
+    x = _mm256_min_ps(_mm256_set1_ps(88.37626f), _mm256_max_ps(_mm256_set1_ps(-87.33654f), x)); /* a NaN stays NaN */
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x));
+    static const float c[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+    __m256 p = _mm256_set1_ps(c[0]);
+    for (int i = 1; i < 6; i++) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c[i]));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
+}
+
+/* e^x of n floats in place, in chunks of 8; a tail goes through the same chunk code, padded. */
+static void exp_n(float *x, int64_t n)
+{
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, exp8(_mm256_loadu_ps(x + i)));
+    if (i < n) {
+        float tail[8] = {0};
+        memcpy(tail, x + i, sizeof(float) * (n - i));
+        _mm256_storeu_ps(tail, exp8(_mm256_loadu_ps(tail)));
+        memcpy(x + i, tail, sizeof(float) * (n - i));
+    }
+}
+
 static inline float hsum256(__m256 v)
 {
     const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -140,11 +170,10 @@ static void attend(const float *q, const float *k, const float *v, int64_t L, in
         p[j] = s;
         top = fmaxf(top, s);
     }
+    for (j = 0; j < L; j++) p[j] -= top;
+    exp_n(p, L);
     float total = 0.0f;
-    for (j = 0; j < L; j++) {
-        p[j] = expf(p[j] - top);
-        total += p[j];
-    }
+    for (j = 0; j < L; j++) total += p[j];
     const __m256 norm = _mm256_set1_ps(total);
     int64_t i = 0;
     for (; i + 32 <= dim; i += 32) { /* four output chunks at once, each summed over j in order */
@@ -169,10 +198,20 @@ static void attend(const float *q, const float *k, const float *v, int64_t L, in
     }
 }
 
-static inline float gate_act(float g, int64_t gelu)
+/* act(gate) * up over n <= 8 values: silu as g / (1 + e^-g) by exp8, gelu (tanh form) per value. A
+ * short chunk (a row's tail) goes through the same code, padded: each value's result is its own. */
+static void gated8(const float *gate, const float *up, int64_t n, int64_t gelu, float *out)
 {
-    if (gelu) return 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)));
-    return g / (1.0f + expf(-g));
+    float g[8] = {0}, u[8] = {0}, y[8];
+    memcpy(g, gate, sizeof(float) * n), memcpy(u, up, sizeof(float) * n);
+    if (gelu) {
+        for (int i = 0; i < 8; i++)
+            y[i] = 0.5f * g[i] * (1.0f + tanhf(0.7978845608028654f * (g[i] + 0.044715f * g[i] * g[i] * g[i]))) * u[i];
+    } else {
+        const __m256 gv = _mm256_loadu_ps(g), e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+        _mm256_storeu_ps(y, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e)), _mm256_loadu_ps(u)));
+    }
+    memcpy(out, y, sizeof(float) * n);
 }
 
 static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
@@ -259,11 +298,12 @@ static void feed_forward(const gg_model *m, const gg_layer *L, acts *a, int64_t 
         for (int64_t r = 0; r < R; r++) memcpy(gate_up + r * 2 * I + I, part + r * I, sizeof(float) * I);
         free(part);
     }
-    /* each value on its own (an exp and a division apiece, a pass's largest serial part otherwise) */
+    /* in chunks of 8 values of a row, the threads splitting them (an exp and a division apiece) */
+    const int64_t chunks = (I + 7) / 8;
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
-    for (int64_t ri = 0; ri < R * I; ri++) {
-        const int64_t r = ri / I, i = ri % I;
-        mid[ri] = gate_act(gate_up[r * 2 * I + i], m->gelu) * gate_up[r * 2 * I + I + i];
+    for (int64_t rc = 0; rc < R * chunks; rc++) {
+        const int64_t r = rc / chunks, i = rc % chunks * 8, n = I - i < 8 ? I - i : 8;
+        gated8(gate_up + r * 2 * I + i, gate_up + r * 2 * I + I + i, n, m->gelu, mid + r * I + i);
     }
     acts b;
     b.buf[0] = a->buf[0], b.buf[1] = a->buf[1], b.buf[2] = a->buf[2];

@@ -1,0 +1,41 @@
+"""benchmarks/rows.py: pass times by rows, and `--against REV`: another revision's kernels timed in the same run."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks import rows
+from tests.tiny_gguf import write_tiny
+
+
+def test_every_pass_function_times_every_row_count_in_alternating_turns():
+    calls = []
+    times = rows.sweep({"a": lambda r: calls.append(("a", r)) or 0.1 * r, "b": lambda r: calls.append(("b", r)) or 0.2},
+                       max_rows=2, repeats=2)
+    assert calls == [("a", 1), ("b", 1), ("a", 2), ("b", 2), ("b", 1), ("a", 1), ("b", 2), ("a", 2)]
+    assert times == {"a": {1: 0.1, 2: 0.2}, "b": {1: 0.2, 2: 0.2}}
+    assert rows.extra_row_s({1: 0.04, 5: 0.08}) == 0.01
+
+
+def test_against_a_revision_times_both_builds_and_names_the_commit(tmp_path, monkeypatch):
+    model = write_tiny(tmp_path / "llama.gguf", "llama", "Q4_K", vocab=20200)  # the ids rows.py feeds
+    written = {}
+    monkeypatch.setattr(rows, "write", lambda name, result: written.update({name: result}) or tmp_path / name)
+    monkeypatch.setattr(sys, "argv", ["rows", "--model", str(model), "--max-rows", "5", "--repeats", "1",
+                                      "--against", "HEAD", "--name", "tiny"])
+    rows.main()
+    result = written["tiny"]
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=rows.ROOT, capture_output=True, text=True).stdout.strip()
+    assert result["against"] == {"rev": "HEAD", "commit": head}
+    for table in ("pass_s", "against_pass_s"):
+        assert sorted(result[table]) == [1, 2, 3, 4, 5] and all(t > 0 for t in result[table].values())
+    assert set(result["extra_row_s"]) == {"this", "against"}
+    assert "Q4_K" in result["numerics"]
+
+
+def test_a_revision_that_does_not_exist_is_refused(tmp_path):
+    with pytest.raises(subprocess.CalledProcessError):
+        rows.kernel_sources("no-such-revision-anywhere", tmp_path)
