@@ -446,7 +446,7 @@ def _free_offered(request: GenerationRequest, services: Services, policy: Policy
     """Would the model-free drafter take this round from the draft model at K, had it caught up
     (None where the two are not weighed)?"""
     weighed = request.drafter == hybrid.AUTO and request.fixed_k is None and None not in (services.model_free, services.drafter)
-    return hybrid.free_offered(policy.estimates, free.scores, k) if weighed else None
+    return hybrid.free_offered(policy.estimates, request.policy, free.scores, k) if weighed else None
 
 
 def _drafter(request: GenerationRequest, state: SessionState, k: int, free: Draft, model: bool,

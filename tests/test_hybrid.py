@@ -82,18 +82,18 @@ def test_where_the_model_free_drafter_takes_rounds_the_catch_up_is_shared_by_few
     assert hybrid.choose(hybrid.AUTO, good, CONFIG, 4, [], lag=40, remaining=30) == (hybrid.MODEL, 4)
     assert hybrid.choose(hybrid.AUTO, offering, CONFIG, 4, [], lag=40, remaining=30) == (hybrid.NONE, 0)
     assert hybrid.choose(hybrid.AUTO, offering, CONFIG, 4, [], lag=2, remaining=30) == (hybrid.MODEL, 4)  # caught up
-    catch_up = hybrid.catch_up_time(good, 40)
-    round_s = 1 / hybrid.model_rate(good, 4, 2, 30)
+    catch_up = hybrid.catch_up_time(good, CONFIG, 40)
+    round_s = 1 / hybrid.model_rate(good, CONFIG, 4, 2, 30)
     e = hybrid.expected_tokens(0.9, 4)
-    assert 1 / hybrid.model_rate(offering, 4, 40, 30) == pytest.approx(round_s + catch_up * e / (30 * 0.5) / e)
+    assert 1 / hybrid.model_rate(offering, CONFIG, 4, 40, 30) == pytest.approx(round_s + catch_up * e / (30 * 0.5) / e)
 
 
 def test_a_round_counts_for_the_model_free_drafter_when_it_would_beat_the_caught_up_draft_model():
     good = replace(MEASURED, alpha=0.9)
-    assert hybrid.free_offered(good, [1.0] * 8, 4)
-    assert not hybrid.free_offered(good, [0.3], 4)  # it pays against a plain step, not against the model
-    assert hybrid.free_offered(good, [0.3], 0)  # no draft model this round: against a plain step
-    assert not hybrid.free_offered(good, [], 4)
+    assert hybrid.free_offered(good, CONFIG, [1.0] * 8, 4)
+    assert not hybrid.free_offered(good, CONFIG, [0.3], 4)  # it pays against a plain step, not against the model
+    assert hybrid.free_offered(good, CONFIG, [0.3], 0)  # no draft model this round: against a plain step
+    assert not hybrid.free_offered(good, CONFIG, [], 4)
 
 
 def test_the_share_of_rounds_the_model_free_drafter_takes_is_learnt_over_decaying_counts_per_session():
@@ -170,7 +170,7 @@ def test_a_probe_is_paid_from_the_sessions_probe_credit():
     """A probe over a 40-token lag costs 4.1 plain steps here (a 93 ms catch-up, two 15 ms drafts, two
     4 ms rows, against a 32 ms plain token): it runs on a session's starting credit, not on 2 steps."""
     stale = replace(MEASURED, alpha=0.2)
-    assert hybrid.probe_cost(stale, 2, 40) == pytest.approx((0.093 + 0.030 + 0.008) / 0.032)
+    assert hybrid.probe_cost(stale, CONFIG, 2, 40) == pytest.approx((0.093 + 0.030 + 0.008) / 0.032)
     assert hybrid.choose(hybrid.AUTO, stale, CONFIG, 2, [], lag=40, remaining=100, probe=True) == (hybrid.MODEL, 2)
     assert hybrid.choose(hybrid.AUTO, stale, CONFIG, 2, [], lag=40, remaining=100, probe=True,
                          probe_credit=2.0) == (hybrid.NONE, 0)
@@ -204,7 +204,7 @@ def test_a_long_prompts_catch_up_is_paid_once_not_again_after_each_model_free_ro
     good = replace(MEASURED, alpha=0.9, free_offers=3.0, offer_rounds=10.0)
     assert hybrid.choose(hybrid.AUTO, good, CONFIG, 4, [], lag=200, remaining=400) == (hybrid.MODEL, 4)
     often = replace(good, free_offers=9.0)  # it would take 9 in 10: each model round re-catches up on many
-    assert hybrid.model_rate(often, 4, 200, 400) < hybrid.model_rate(good, 4, 200, 400)
+    assert hybrid.model_rate(often, CONFIG, 4, 200, 400) < hybrid.model_rate(good, CONFIG, 4, 200, 400)
 
 def sometimes(share: float):
     """A draft model right at `share` of positions (the repeating target's token there, else a wrong one)."""
@@ -260,7 +260,7 @@ def test_under_load_a_probe_is_priced_like_any_round_with_its_catch_up_paid_by_t
     loaded = replace(alone, batch=8.0)
     assert hybrid.choose(hybrid.AUTO, alone, CONFIG, 1, [], lag=60, remaining=100, probe=True) == (hybrid.MODEL, 1)
     assert hybrid.choose(hybrid.AUTO, loaded, CONFIG, 1, [], lag=60, remaining=100, probe=True) == (hybrid.NONE, 0)
-    assert hybrid.catch_up_time(loaded, 60) > 7 * hybrid.catch_up_time(alone, 60)
+    assert hybrid.catch_up_time(loaded, CONFIG, 60) > 7 * hybrid.catch_up_time(alone, CONFIG, 60)
 
 
 def test_under_load_a_draft_is_priced_by_the_pass_it_joins_and_the_wait_it_adds_to_the_others():

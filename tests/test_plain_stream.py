@@ -193,7 +193,7 @@ def test_where_plain_steps_stream_a_plain_token_is_priced_at_the_streams_gap():
     streaming = replace(called, stream_s=0.0005)
     assert plain_time(called) == pytest.approx(0.033) and plain_time(streaming) == pytest.approx(0.0305)
     for k in (1, 4, 8):
-        ratio = predicted_speedup(streaming, k) / predicted_speedup(called, k)
+        ratio = predicted_speedup(streaming, PolicyConfig(), k) / predicted_speedup(called, PolicyConfig(), k)
         assert ratio == pytest.approx(0.0305 / 0.033)
 
 

@@ -140,8 +140,8 @@ def test_predicted_speedup_by_hand():
     tokens = 1 + 0.8 + 0.64  # E(0.8, 2)
     round_s = 2 * 0.1 + 0.48 + 2 * 0.001  # two draft steps, verify(2) from the fit, two RPCs
     plain_s = 0.4 + 0.001
-    assert predicted_speedup(est, 2) == pytest.approx(tokens / round_s * plain_s)
-    assert predicted_speedup(est, 2) == pytest.approx(1.4346, abs=1e-4)
+    assert predicted_speedup(est, CONFIG, 2) == pytest.approx(tokens / round_s * plain_s)
+    assert predicted_speedup(est, CONFIG, 2) == pytest.approx(1.4346, abs=1e-4)
 
 
 def test_best_k_grows_with_alpha():
@@ -221,12 +221,13 @@ def batched_round(k: int, accepted: int, sessions: int, active: int | None = Non
 
 
 def simulate_batched(alpha: float, sessions, rounds: int, state: PolicyState, seed: int = 0,
-                     active: int | None = None) -> Run:
-    """`sessions`: the pass's sessions at each round index; `active`: the sessions the passes serve."""
+                     active: int | None = None, config: PolicyConfig = CONFIG, round_of=batched_round) -> Run:
+    """`sessions`: the pass's sessions at each round index; `active`: the sessions the passes serve;
+    `round_of(k, accepted, sessions, active)`: what a round shows (every session drafting alike by default)."""
     rng, ks, modes = random.Random(seed), [], []
     for i in range(rounds):
-        k = next_k(state, CONFIG)
-        state = observe(state, batched_round(k, draw_accepted(rng, alpha, k), sessions(i), active), CONFIG)
+        k = next_k(state, config)
+        state = observe(state, round_of(k, draw_accepted(rng, alpha, k), sessions(i), active), config)
         ks.append(k)
         modes.append(state.mode)
     return Run(ks, modes, state)
@@ -272,17 +273,15 @@ def test_a_draft_that_shares_the_targets_compute_is_priced_by_the_sessions_its_s
     and speculation pays; where it runs on the target's cores (`draft_contends`), every step is taken
     from the seven's passes too, and the same rounds fall back (seen on a 2-core host: one such session
     drafting for 14 s of an 8-session phase, the phase 0.82x plain)."""
-    def joined(k: int) -> RoundObservation:
-        return RoundObservation(k, k, 0.014 * k, avx2_pass(8 + k), RTT, target_shared=True, batch_size=8,
-                                pass_rows=8 + k, active_sessions=8)
+    def joined(k: int, accepted: int, sessions: int, active: int | None) -> RoundObservation:
+        return RoundObservation(k, accepted, 0.014 * k, avx2_pass(sessions + k), RTT, target_shared=True,
+                                batch_size=sessions, pass_rows=sessions + k, active_sessions=sessions)
 
     start = PolicyState(estimates=Estimates(draft_step_s=0.014, verify_s=tuple((k, avx2_pass(k + 1)) for k in range(17)),
                                             rtt_s=RTT))
     for config, mode in ((CONFIG, SPECULATIVE), (replace(CONFIG, draft_contends=True), PLAIN)):
-        state = start
-        for _ in range(40):
-            state = observe(state, joined(next_k(state, config)), config)
-        assert state.mode == mode and round(state.estimates.batch) == 8, config
+        run = simulate_batched(1.0, lambda i: 8, 40, start, config=config, round_of=joined)
+        assert run.state.mode == mode and round(run.state.estimates.batch) == 8, config
 
 
 def test_a_round_is_priced_alone_when_its_pass_is_its_own():

@@ -100,7 +100,6 @@ class Estimates:
     confidence_expected: float = 0.0  # decayed sum of the target's confidence at those drafts' positions
     batch: float = 1.0  # sessions sharing the target's passes (up at once, down by EWMA): a round is priced as a pass of them all
     draft_batched: tuple[tuple[int, float], ...] = ()  # the draft step with that many sessions in the passes (> 1)
-    draft_contends: bool = False  # PolicyConfig's, kept beside the timings it prices (cost.round_time)
 
     @functools.cached_property
     def derived(self) -> dict:

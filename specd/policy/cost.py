@@ -116,12 +116,12 @@ def is_measured(est: Estimates) -> bool:
     return est.draft_step_s is not None and len(measured_k) >= (1 if has_plain else 2)
 
 
-def predicted_speedup(est: Estimates, k: int, alpha: float | None = None) -> float:
+def predicted_speedup(est: Estimates, config: PolicyConfig, k: int, alpha: float | None = None) -> float:
     """S(K) of docs/policy.md: plain tokens per second of speculative work (`alpha`: in place of the
     learnt α). Needs `is_measured(est)`."""
     if est.draft_step_s is None or verify_time(est, 0) is None:
         raise ValueError("predicted_speedup needs the draft step and a verify time measured")
-    return expected_tokens(est.alpha if alpha is None else alpha, k) * plain_time(est) / round_time(est, k)
+    return expected_tokens(est.alpha if alpha is None else alpha, k) * plain_time(est) / round_time(est, config, k)
 
 
 def plain_time(est: Estimates) -> float:
@@ -130,16 +130,16 @@ def plain_time(est: Estimates) -> float:
     return verify_time(est, 0) + (est.rtt_s if est.stream_s is None else est.stream_s)
 
 
-def round_time(est: Estimates, k: int) -> float:
+def round_time(est: Estimates, config: PolicyConfig, k: int) -> float:
     """T(K) of docs/policy.md: one synchronous round with K drafts. Needs `is_measured(est)`. Where the
-    draft contends for the target's compute (`Estimates.draft_contends`: one host's cores, one GPU), a
+    draft contends for the target's compute (`PolicyConfig.draft_contends`: one host's cores, one GPU), a
     round that drafts beside B - 1 sessions' plain steps also costs each of them its K draft steps,
     taken from their passes: K·step·B beside its joined pass (the step as timed at this B: under load
     it waits for the cores too), the dearer of that and the batched price."""
     batch = batch_sessions(est)
     step = draft_step(est)
     drafted = k * step + verify_time(est, k)
-    if est.draft_contends and batch > 1:
+    if config.draft_contends and batch > 1:
         drafted = max(drafted, k * step * batch + joined_time(est, k, batch))
     return drafted + 2 * est.rtt_s
 
@@ -175,7 +175,7 @@ def best_k(est: Estimates, config: PolicyConfig) -> tuple[int, float]:
 def _best_k(est: Estimates, config: PolicyConfig) -> tuple[int, float]:
     if not is_measured(est):
         return config.start_k, math.nan
-    return max(((k, predicted_speedup(est, k)) for k in _candidates(config)), key=lambda ks: (ks[1], -ks[0]))
+    return max(((k, predicted_speedup(est, config, k)) for k in _candidates(config)), key=lambda ks: (ks[1], -ks[0]))
 
 
 def _candidates(config: PolicyConfig) -> range | tuple[int]:
@@ -184,7 +184,7 @@ def _candidates(config: PolicyConfig) -> range | tuple[int]:
 
 def best_speedup_at(est: Estimates, config: PolicyConfig, alpha: float) -> float:
     """best_k's S(K) were α `alpha`, at these timings. Needs `is_measured(est)`."""
-    return max(predicted_speedup(est, k, alpha) for k in _candidates(config))
+    return max(predicted_speedup(est, config, k, alpha) for k in _candidates(config))
 
 
 def could_pay(est: Estimates, config: PolicyConfig, bar: float) -> bool:
@@ -194,7 +194,7 @@ def could_pay(est: Estimates, config: PolicyConfig, bar: float) -> bool:
     True while the timings are not measured."""
     if not is_measured(est):
         return True
-    return any((k + 1) * plain_time(est) / round_time(est, k) > bar for k in range(1, config.max_k + 1))
+    return any((k + 1) * plain_time(est) / round_time(est, config, k) > bar for k in range(1, config.max_k + 1))
 
 
 def should_fall_back(est: Estimates, config: PolicyConfig) -> bool:

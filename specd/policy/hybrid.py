@@ -78,13 +78,13 @@ def choose(drafter: str, est: Estimates, config: PolicyConfig, k: int, scores: S
     if drafter == NONE:
         return NONE, 0
     probing = probe and drafter == AUTO and k > 0 and batch_sessions(est) == 1
-    if drafter == MODEL or (probing and probe_cost(est, k, lag) <= probe_credit
+    if drafter == MODEL or (probing and probe_cost(est, config, k, lag) <= probe_credit
                             and probe_repays(est, config, lag, remaining)):
         return (MODEL, k) if k > 0 else (NONE, 0)
     m, free_rate = free_choice(est, scores, exit_s, named=drafter == FREE)
     if drafter == FREE:
         return (FREE, m) if m > 0 else (NONE, 0)
-    rate = model_rate(est, k, lag, remaining, exit_s) if k > 0 and is_measured(est) else math.nan
+    rate = model_rate(est, config, k, lag, remaining, exit_s) if k > 0 and is_measured(est) else math.nan
     if lag > CAUGHT_UP and not math.isnan(rate) and rate < 1 / plain_time(est):
         k = 0  # the draft model's catch-up does not pay back in what is left of this request
     if m == 0:  # auto, and no model-free draft pays
@@ -94,13 +94,13 @@ def choose(drafter: str, est: Estimates, config: PolicyConfig, k: int, scores: S
     return (FREE, m) if free_rate >= rate else (MODEL, k)
 
 
-def probe_cost(est: Estimates, k: int, lag: int) -> float:
+def probe_cost(est: Estimates, config: PolicyConfig, k: int, lag: int) -> float:
     """A probe of K drafts beyond a plain step, in plain steps: the draft's catch-up over `lag` tokens,
     its K steps and the K extra verification rows (0 before the timings are measured)."""
     if not is_measured(est):
         return 0.0
-    catch_up = catch_up_time(est, lag) if lag > CAUGHT_UP else 0.0
-    return (catch_up + round_time(est, k) - 2 * est.rtt_s - verify_time(est, 0)) / plain_time(est)
+    catch_up = catch_up_time(est, config, lag) if lag > CAUGHT_UP else 0.0
+    return (catch_up + round_time(est, config, k) - 2 * est.rtt_s - verify_time(est, 0)) / plain_time(est)
 
 
 def probe_repays(est: Estimates, config: PolicyConfig, lag: int, remaining: int) -> bool:
@@ -111,18 +111,18 @@ def probe_repays(est: Estimates, config: PolicyConfig, lag: int, remaining: int)
         return True
     bar = config.on_above / plain_time(est)
     ks = range(1, max(1, min(config.max_k, remaining - 1)) + 1)  # a round commits at most what is left
-    return any(model_rate(est, k, lag, remaining, alpha=1.0) > bar for k in ks)
+    return any(model_rate(est, config, k, lag, remaining, alpha=1.0) > bar for k in ks)
 
 
-def free_offered(est: Estimates, scores: Sequence[float], k: int) -> bool:
+def free_offered(est: Estimates, config: PolicyConfig, scores: Sequence[float], k: int) -> bool:
     """Would the model-free drafter take this round from a draft model at K that had caught up?"""
     m, free_rate = free_choice(est, scores)
     if m == 0 or k == 0 or math.isnan(free_rate):
         return m > 0
-    return free_rate >= model_rate(est, k, 0, 1)
+    return free_rate >= model_rate(est, config, k, 0, 1)
 
 
-def model_rate(est: Estimates, k: int, lag: int, remaining: int, exit_s: float = 0.0,
+def model_rate(est: Estimates, config: PolicyConfig, k: int, lag: int, remaining: int, exit_s: float = 0.0,
                alpha: float | None = None) -> float:
     """Tokens a second of the draft model at K, its catch-up included: a draft that lacks more than
     the round's own tokens (a new prompt, rounds another drafter took) first runs a pass over them,
@@ -133,17 +133,17 @@ def model_rate(est: Estimates, k: int, lag: int, remaining: int, exit_s: float =
     the learnt α (the timings stay the estimates' own, derived once)."""
     tokens = expected_tokens(est.alpha if alpha is None else alpha, k)
     served = max(remaining * (1.0 - est.free_offer_rate), 1.0)
-    catch_up = catch_up_time(est, lag) * min(1.0, tokens / served) if lag > CAUGHT_UP else 0.0
-    return tokens / (round_time(est, k) + catch_up + exit_s)
+    catch_up = catch_up_time(est, config, lag) * min(1.0, tokens / served) if lag > CAUGHT_UP else 0.0
+    return tokens / (round_time(est, config, k) + catch_up + exit_s)
 
 
-def catch_up_time(est: Estimates, lag: int) -> float:
+def catch_up_time(est: Estimates, config: PolicyConfig, lag: int) -> float:
     """The draft's pass over `lag` tokens, priced as the pass it joins (cost.verify_time's rule):
     B sessions that each catch up as much, its one-position step grown to B·lag positions; where the
     draft contends for the target's compute, at least its own pass held by all B (cost.round_time)."""
     batch = batch_sessions(est)
     alike = grown(est, est.draft_step_s, 1, batch * lag)
-    return max(alike, batch * grown(est, est.draft_step_s, 1, lag)) if est.draft_contends else alike
+    return max(alike, batch * grown(est, est.draft_step_s, 1, lag)) if config.draft_contends else alike
 
 
 def learn_free(est: Estimates, obs: RoundObservation, scores: Sequence[float], config: PolicyConfig) -> Estimates:
@@ -153,7 +153,7 @@ def learn_free(est: Estimates, obs: RoundObservation, scores: Sequence[float], c
     expected = decayed(est.free_expected, sum(scores[: obs.k]), config.alpha_window)
     est = learn_offer(learn_pass(est, obs, config.smoothing, obs.target_cold), obs, config.alpha_window)
     est = learn_text(est, obs, config.alpha_window)
-    return replace(est, free_accepted=accepted, free_expected=expected, draft_contends=config.draft_contends)
+    return replace(est, free_accepted=accepted, free_expected=expected)
 
 
 def observe_free(state: PolicyState, obs: RoundObservation, scores: Sequence[float], config: PolicyConfig) -> PolicyState:

@@ -46,7 +46,7 @@ def learn(
     return replace(est, alpha=alpha, draft_step_s=draft_step, draft_batched=batched, rtt_s=rtt, stream_s=stream,
                    plain_call_s=call, plain_streamed_s=streamed,
                    observations=est.observations + 1, accepted_count=accepted_count, tested_count=tested_count,
-                   judged=est.judged + judged, draft_contends=config.draft_contends)
+                   judged=est.judged + judged)
 
 
 def learn_pass(est: Estimates, obs: RoundObservation, w: float, target_cold: bool) -> Estimates:
