@@ -187,14 +187,17 @@ def best_speedup_at(est: Estimates, config: PolicyConfig, alpha: float) -> float
     return max(predicted_speedup(est, config, k, alpha) for k in _candidates(config))
 
 
-def could_pay(est: Estimates, config: PolicyConfig, bar: float) -> bool:
-    """Would a draft that is always right beat `bar` at some K, at these timings and this batch?
-    If not, no draft can, and neither drafting nor a probe to measure α is worth a pass: on a CPU,
-    where a pass costs about its rows, a batch of sessions makes every further row cost them all.
-    True while the timings are not measured."""
+def could_pay(est: Estimates, config: PolicyConfig, bar: float, ks: range | None = None,
+              extra_s: Callable[[int], float] = lambda k: 0.0) -> bool:
+    """Would a draft that is always right beat `bar` at some K (of `ks`, default 1..max_k), at these
+    timings and this batch, its rounds also paying `extra_s(K)` (a catch-up's share)? If not, no draft
+    can, and neither drafting nor a probe to measure α is worth a pass: on a CPU, where a pass costs
+    about its rows, a batch of sessions makes every further row cost them all. True while the timings
+    are not measured."""
     if not is_measured(est):
         return True
-    return any((k + 1) * plain_time(est) / round_time(est, config, k) > bar for k in range(1, config.max_k + 1))
+    ks = ks or range(1, config.max_k + 1)
+    return any((k + 1) * plain_time(est) / (round_time(est, config, k) + extra_s(k)) > bar for k in ks)
 
 
 def should_fall_back(est: Estimates, config: PolicyConfig) -> bool:

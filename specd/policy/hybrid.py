@@ -18,8 +18,8 @@ from dataclasses import replace
 
 from specd.policy.base import (PLAIN, PROBE_SHARE, PROBE_START, Estimates, PolicyConfig, PolicyState, RoundObservation,
                                decayed)
-from specd.policy.cost import (batch_sessions, derived, expected_tokens, grown, is_measured, plain_time, round_time,
-                               verify_time)
+from specd.policy.cost import (batch_sessions, could_pay, derived, expected_tokens, grown, is_measured, plain_time,
+                               round_time, verify_time)
 from specd.policy.learning import learn_offer, learn_pass, learn_text
 from specd.policy.modes import counted_down
 
@@ -107,11 +107,10 @@ def probe_repays(est: Estimates, config: PolicyConfig, lag: int, remaining: int)
     """Would a draft model that is always right, at its best K, beat plain decoding by `on_above` with
     its catch-up over `lag` tokens paid out of the `remaining` ones? If not, no α the probe could
     find would pay for it (a long prompt, or a request near its end)."""
-    if lag <= CAUGHT_UP or not is_measured(est):
+    if lag <= CAUGHT_UP:
         return True
-    bar = config.on_above / plain_time(est)
     ks = range(1, max(1, min(config.max_k, remaining - 1)) + 1)  # a round commits at most what is left
-    return any(model_rate(est, config, k, lag, remaining, alpha=1.0) > bar for k in ks)
+    return could_pay(est, config, config.on_above, ks, lambda k: catch_up_share(est, config, k + 1, lag, remaining))
 
 
 def free_offered(est: Estimates, config: PolicyConfig, scores: Sequence[float], k: int) -> bool:
@@ -132,9 +131,16 @@ def model_rate(est: Estimates, config: PolicyConfig, k: int, lag: int, remaining
     round's tokens, a catch-up priced when it comes. `exit_s`: as `choose`'s; `alpha`: in place of
     the learnt α (the timings stay the estimates' own, derived once)."""
     tokens = expected_tokens(est.alpha if alpha is None else alpha, k)
+    return tokens / (round_time(est, config, k) + catch_up_share(est, config, tokens, lag, remaining) + exit_s)
+
+
+def catch_up_share(est: Estimates, config: PolicyConfig, tokens: float, lag: int, remaining: int) -> float:
+    """A round's share of the draft's catch-up over `lag` tokens (none for a normal round's lag): the
+    round's `tokens` of the draft model's part of what is left of the request (`model_rate`)."""
+    if lag <= CAUGHT_UP:
+        return 0.0
     served = max(remaining * (1.0 - est.free_offer_rate), 1.0)
-    catch_up = catch_up_time(est, config, lag) * min(1.0, tokens / served) if lag > CAUGHT_UP else 0.0
-    return tokens / (round_time(est, config, k) + catch_up + exit_s)
+    return catch_up_time(est, config, lag) * min(1.0, tokens / served)
 
 
 def catch_up_time(est: Estimates, config: PolicyConfig, lag: int) -> float:
