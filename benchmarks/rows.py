@@ -13,6 +13,8 @@ median pass time; with
 `--against REV`: the kernels of git revision REV (its specd/csrc) as well, before and after in one
 run: each build's engine in a process of its own, their passes taken in turn (each row count by
 one, then the other, the order alternating by repeat), so a slow minute of the host hits both.
+REV's kernels are loaded through this checkout's Python side: a revision whose C interface (the
+structs of quants.h and decoder.c, the entry points) differs cannot be timed this way.
 """
 
 from __future__ import annotations
