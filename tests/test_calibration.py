@@ -46,6 +46,7 @@ def test_the_calibrated_prior_measures_timings_but_not_acceptance():
     rounds.append(RoundObservation(2, 0, 9.0, 9.0, 0.002, draft_cold=True, target_cold=True))  # a catch-up: left out
     est = calibrated(rounds).estimates
     assert dict(est.verify_s) == pytest.approx({k: 0.4 + 0.04 * k for k in range(17)})
+    assert est.calibrated_s == est.verify_s  # kept apart: learning moves verify_s only
     assert est.draft_step_s == pytest.approx(0.05) and est.rtt_s == pytest.approx(0.002)
     assert est.alpha == 0.7 and est.tested_count == 0 and est.observations == 0  # the prior's
 

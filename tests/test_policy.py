@@ -26,6 +26,7 @@ from specd.policy import (
     best_k,
     expected_tokens,
     explore_k,
+    hybrid,
     inherit,
     next_k,
     observe,
@@ -282,6 +283,32 @@ def test_a_draft_that_shares_the_targets_compute_is_priced_by_the_sessions_its_s
     for config, mode in ((CONFIG, SPECULATIVE), (replace(CONFIG, draft_contends=True), PLAIN)):
         run = simulate_batched(1.0, lambda i: 8, 40, start, config=config, round_of=joined)
         assert run.state.mode == mode and round(run.state.estimates.batch) == 8, config
+
+
+# One pass of a session by rows fed, the 1.5B target on a 2-core AMD EPYC (benchmarks/results/rows_avx2.json)
+AVX2_ROWS_MS = {1: 39.6, 2: 52.5, 3: 60.3, 4: 73.3, 5: 77.3, 6: 101.5, 7: 113.7, 8: 125.1, 9: 148.9, 10: 166.0,
+                11: 175.5, 12: 217.2, 13: 229.9, 14: 237.6, 15: 235.8, 16: 253.8}
+
+
+def test_a_pass_not_timed_since_calibration_is_priced_at_the_load_the_learnt_ones_show():
+    """Eight sessions streaming: the session times their 8-row passes 1.6x slower than start-up
+    calibration did, and nothing else. Read beside the quiet table, a 9-row pass would cost what the
+    8-row one does and a 90 %-sure one-token model-free draft would look like a gain; priced at the
+    load the learnt pass shows (its calibration times 1.6), it does not pay (a round log of 8 held-out
+    sessions: 46 such rounds in a phase, passes of 11-14 rows at 1.5-2.4x the 8-row pass)."""
+    quiet = tuple((rows - 1, ms / 1e3) for rows, ms in AVX2_ROWS_MS.items())
+    est = Estimates(alpha=0.7, draft_step_s=0.021, verify_s=quiet, calibrated_s=quiet, rtt_s=0.004, stream_s=0.002,
+                    plain_call_s=0.14, plain_streamed_s=0.13, observations=50, batch=8.0)
+    loaded = replace(est, verify_s=tuple((k, t * 1.6 if k == 7 else t) for k, t in quiet))
+    cal = dict(quiet)
+    assert pass_time(loaded, 7) == pytest.approx(1.6 * cal[7])  # learnt: as it stands
+    assert pass_time(loaded, 8) == pytest.approx(1.6 * cal[8]) and pass_time(loaded, 15) == pytest.approx(1.6 * cal[15])
+    assert pass_time(loaded, 3) == cal[3]  # nothing learnt below it
+    exit_s = hybrid.stream_exit_time(loaded, 2)
+    assert hybrid.free_choice(loaded, [0.9], exit_s)[0] == 0
+    assert hybrid.free_choice(replace(loaded, calibrated_s=()), [0.9], exit_s)[0] == 1  # the quiet table's reading
+    relearnt = replace(loaded, verify_s=tuple((k, t * 1.1 if k == 8 else t) for k, t in loaded.verify_s))
+    assert pass_time(relearnt, 8) == pytest.approx(max(1.1 * cal[8], 1.6 * cal[7]))  # timed since: no longer scaled
 
 
 def test_a_round_is_priced_alone_when_its_pass_is_its_own():

@@ -82,6 +82,9 @@ class Estimates:
     # target compute of a pass, by its positions - 1: K for a session alone (K = 0: a plain step); a shared
     # pass of R positions counts as K = R - 1 (specd/policy/cost.py prices a round by the pass it joins)
     verify_s: tuple[tuple[int, float], ...] = ()
+    # start-up calibration's verify_s, never learnt: a pass's cost by positions on the quiet host, the
+    # shape that prices a pass not timed since at the load the learnt ones show (cost.pass_time)
+    calibrated_s: tuple[tuple[int, float], ...] = ()
     rtt_s: float = 0.0  # per RPC: wall time minus service compute
     stream_s: float | None = None  # a streamed plain step's wall beyond its pass (None: none streamed yet)
     # a warm plain step's whole wall, as a Step call and as a streamed step: under load a call also waits

@@ -165,8 +165,7 @@ def calibrated(rounds: Sequence[RoundObservation]) -> PolicyState:
         if not obs.target_cold:
             verify[obs.k] = min(verify.get(obs.k, math.inf), obs.verify_s)
     steps = [o.draft_s / o.k for o in rounds if o.k > 0 and not o.draft_cold]
-    estimates = Estimates(
-        draft_step_s=min(steps, default=None), verify_s=tuple(sorted(verify.items())),
-        rtt_s=min((o.rtt_s for o in rounds), default=0.0),
-    )
+    table = tuple(sorted(verify.items()))
+    estimates = Estimates(draft_step_s=min(steps, default=None), verify_s=table, calibrated_s=table,
+                          rtt_s=min((o.rtt_s for o in rounds), default=0.0))
     return PolicyState(estimates=estimates)
