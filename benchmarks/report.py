@@ -437,6 +437,7 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "round_parts": round_parts,
     "load_avx2": load_runs("load_avx2"),
     "load_avx2_contends": load_runs("load_avx2_contends"),
+    "load_avx2_atload": load_runs("load_avx2_atload"),
     "goals": goals,
     "rows": rows,
     "head_vocab": head_vocab,
