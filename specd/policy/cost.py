@@ -6,7 +6,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
-from typing import Callable, TypeVar
+from typing import Callable, Iterable, TypeVar
 
 from specd.policy.base import CALIBRATION_ROUNDS, Estimates, PolicyConfig
 
@@ -76,43 +76,43 @@ def _pass_time(est: Estimates, k: int) -> float | None:
         return None
     below = _dearest_below(est, k)  # noise must not make more positions cheaper
     if k in points:
-        return max(points[k], below, _at_load(est, k))
+        return max(points[k], below, _at_load(est, points, k))
     slope, intercept = derived(est, ("fit",), lambda: _fit(points))
     floor = max((t * (k + 1) / (km + 1) for km, t in points.items() if km > k), default=0.0)
     return max(intercept + slope * k, floor, below)
 
 
-def _at_load(est: Estimates, k: int) -> float:
+def _at_load(est: Estimates, points: dict[int, float], k: int) -> float:
     """A pass still at its start-up calibration, priced at the load the learnt passes of fewer positions
     show: its calibration times the largest ratio of such a pass to its own calibration (0.0: k was
     timed since, or nothing below it was). Under load a session times the batch's passes, T(B - 1),
     while the rest of the table stays the quiet host's: read side by side, one more position beside
     the batch would look free (its pass priced below the one it joins, lifted only to it)."""
     calibrated = derived(est, ("calibrated",), lambda: dict(est.calibrated_s))
-    if calibrated.get(k) is None or derived(est, ("points",), lambda: dict(est.verify_s)).get(k) != calibrated[k]:
+    if calibrated.get(k) is None or points[k] != calibrated[k]:
         return 0.0
-    ks, ratios = derived(est, ("load ratios",), lambda: _load_ratios(est, calibrated))
-    i = bisect.bisect_left(ks, k)
-    return calibrated[k] * ratios[i - 1] if i else 0.0
-
-
-def _load_ratios(est: Estimates, calibrated: dict[int, float]) -> tuple[list[int], list[float]]:
-    """By position count, the running largest ratio of a learnt pass to its calibration."""
-    learnt = sorted((k, t / calibrated[k]) for k, t in est.verify_s if calibrated.get(k) not in (None, t, 0.0))
-    return [k for k, _ in learnt], list(itertools.accumulate((r for _, r in learnt), max))
+    ratios = derived(est, ("load ratios",), lambda: _running_peaks(
+        (km, t / calibrated[km]) for km, t in points.items() if calibrated.get(km) not in (None, t, 0.0)))
+    return calibrated[k] * _peak_below(ratios, k)
 
 
 def _dearest_below(est: Estimates, k: int) -> float:
     """The dearest measured pass of fewer than k + 1 positions (0.0: none): a running maximum over
     the table, found by bisection (a round's decisions ask for it at every K they price)."""
-    ks, peaks = derived(est, ("peaks",), lambda: _running_peaks(est.verify_s))
-    i = bisect.bisect_left(ks, k)
-    return peaks[i - 1] if i else 0.0
+    return _peak_below(derived(est, ("peaks",), lambda: _running_peaks(est.verify_s)), k)
 
 
-def _running_peaks(verify_s: tuple[tuple[int, float], ...]) -> tuple[list[int], list[float]]:
-    ordered = sorted(verify_s)
+def _running_peaks(pairs: Iterable[tuple[int, float]]) -> tuple[list[int], list[float]]:
+    """(position counts in order, the running maximum of their values)."""
+    ordered = sorted(pairs)
     return [km for km, _ in ordered], list(itertools.accumulate((t for _, t in ordered), max))
+
+
+def _peak_below(peaks: tuple[list[int], list[float]], k: int) -> float:
+    """The running maximum over the counts below k (`_running_peaks`; 0.0: none), by bisection."""
+    ks, values = peaks
+    i = bisect.bisect_left(ks, k)
+    return values[i - 1] if i else 0.0
 
 
 def _fit(points: dict[int, float]) -> tuple[float, float]:
