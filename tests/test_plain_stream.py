@@ -143,6 +143,23 @@ def test_alone_speculating_rounds_without_a_draft_stay_step_calls():
     assert decoder.opened == 0 and verifier.calls == 30
 
 
+def test_a_speculating_session_whose_draft_model_never_wakes_falls_back_and_streams():
+    """The deployment's prior is speculative, but at its timings no K pays at the session's α and the
+    draft model's catch-up over the prompt would not pay back: every round chooses none. It judged no
+    draft, so the timings alone switch it to plain mode, whose steps stream; it stayed speculative
+    before, each plain token a Step call (a prose session on the AVX2 host: 0.90x plain)."""
+    slow_draft = PolicyState(estimates=Estimates(draft_step_s=0.012, verify_s=tuple((k, 0.03 + 0.012 * k) for k in range(9)),
+                                                 rtt_s=0.001, observations=20))
+    verifier = FakeVerifier(target_rule, compute_s=0.03, row_s=0.012)
+    drafter, decoder = FakeDrafter(draft_rule(100), compute_s=0.012), FakeDecoder(verifier)
+    records: list[RoundRecord] = []
+    done = run(plain(30, fixed_k=None), verifier, decoder, drafter=drafter, store=FakeStore(learned=slow_draft),
+               records=records)[-1]
+    assert list(done.token_ids) == scripted_alone(PROMPT, 30)
+    assert drafter.calls == 0 and done.session.policy.mode == PLAIN
+    assert decoder.opened == 1 and verifier.calls - decoder.steps == 1  # the prefill's Step call, then one stream
+
+
 def test_a_stream_that_fails_midway_goes_on_with_step_calls():
     """The stream's replica went away after 5 steps: the turn goes on, one call a round, unchanged."""
     verifier = FakeVerifier(target_rule)

@@ -238,13 +238,17 @@ def should_fall_back(est: Estimates, config: PolicyConfig) -> bool:
     draft does not wait for it (acceptance alone condemns it within five rounds); a mediocre
     one pays up to MIN_JUDGED drafts once per deployment (later sessions inherit the verdict). Where
     not even a draft that is always right would pay (`could_pay`: a batch under load), the
-    timings alone decide, without waiting for judged drafts."""
+    timings alone decide, without waiting for judged drafts; so they do where this session has
+    judged none: its α is the prior and the target's confidence, with no unlucky round in it, and a
+    session whose draft model never woke (its catch-up would not pay: `hybrid.choose`) would
+    otherwise stay speculative, its plain steps Step calls, not a stream (on the AVX2 host a prose
+    session ran 0.90x plain so, drafting nothing)."""
     if not is_measured(est) or best_k(est, config)[1] >= config.off_below:
         return False
     timed = est.observations >= TIMING_EVIDENCE
     ceiling = timed and not could_pay(est, config, config.off_below)  # no acceptance would pay: judged drafts moot
     hopeless = est.judged >= HOPELESS_JUDGED and _hopeless(est, config)
-    return hopeless or (timed and est.judged >= MIN_JUDGED) or ceiling
+    return hopeless or (timed and (est.judged >= MIN_JUDGED or est.judged == 0)) or ceiling
 
 
 def _hopeless(est: Estimates, config: PolicyConfig) -> bool:
