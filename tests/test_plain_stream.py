@@ -152,9 +152,7 @@ def test_a_speculating_session_whose_draft_model_never_wakes_falls_back_and_stre
                                                  rtt_s=0.001, observations=20))
     verifier = FakeVerifier(target_rule, compute_s=0.03, row_s=0.012)
     drafter, decoder = FakeDrafter(draft_rule(100), compute_s=0.012), FakeDecoder(verifier)
-    records: list[RoundRecord] = []
-    done = run(plain(30, fixed_k=None), verifier, decoder, drafter=drafter, store=FakeStore(learned=slow_draft),
-               records=records)[-1]
+    done = run(plain(30, fixed_k=None), verifier, decoder, drafter=drafter, store=FakeStore(learned=slow_draft))[-1]
     assert list(done.token_ids) == scripted_alone(PROMPT, 30)
     assert drafter.calls == 0 and done.session.policy.mode == PLAIN
     assert decoder.opened == 1 and verifier.calls - decoder.steps == 1  # the prefill's Step call, then one stream
