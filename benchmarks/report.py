@@ -438,6 +438,7 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "load_avx2": load_runs("load_avx2"),
     "load_avx2_contends": load_runs("load_avx2_contends"),
     "load_avx2_atload": load_runs("load_avx2_atload"),
+    "load_avx2_judged": load_runs("load_avx2_judged"),
     "goals": goals,
     "rows": rows,
     "head_vocab": head_vocab,
