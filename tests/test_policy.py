@@ -34,7 +34,7 @@ from specd.policy import (
     should_fall_back,
     verify_time,
 )
-from specd.policy.cost import HOPELESS_JUDGED, pass_time
+from specd.policy.cost import HOPELESS_JUDGED, pass_time, plain_time
 from specd.policy.base import PROBE_SHARE
 from specd.policy import modes
 from specd.policy.modes import decisive_probe_k
@@ -309,6 +309,31 @@ def test_a_pass_not_timed_since_calibration_is_priced_at_the_load_the_learnt_one
     assert hybrid.free_choice(replace(loaded, calibrated_s=()), [0.9], exit_s)[0] == 1  # the quiet table's reading
     relearnt = replace(loaded, verify_s=tuple((k, t * 1.1 if k == 8 else t) for k, t in loaded.verify_s))
     assert pass_time(relearnt, 8) == pytest.approx(max(1.1 * cal[8], 1.6 * cal[7]))  # timed since: no longer scaled
+
+
+# Start-up calibration on the AVX-512 AMD EPYC (Zen 4) host, ms by rows, from a round log of 16 held-out sessions.
+ZEN4_ROWS_MS = {1: 35.7, 2: 34.0, 3: 36.5, 4: 39.4, 5: 42.3, 6: 59.0, 7: 59.9, 8: 63.0, 9: 65.8, 10: 80.1, 11: 87.1,
+                12: 87.7, 13: 90.5, 14: 101.4, 15: 105.3, 16: 125.5, 17: 126.0}
+
+
+def test_a_pass_beyond_the_calibrated_table_is_priced_at_the_load_the_learnt_ones_show():
+    """Sixteen sessions streaming in passes of eight: the session times those passes 1.38x slower
+    than start-up calibration did. A one-token draft of every session is a pass of 32 positions,
+    beyond the table: read off the line through it at the quiet host's rates while the plain pass
+    of 16 is priced at the load, a 60 %-sure draft looked like a gain (a round log: ~50 such rounds
+    a run, 9-row passes 7 ms dearer than the 8-row ones for all 16 sessions, 0.935x plain at 16
+    sessions against 1.00x at 8, whose 16-position passes the table holds). Priced at the load, it
+    does not pay."""
+    quiet = tuple((rows - 1, ms / 1e3) for rows, ms in ZEN4_ROWS_MS.items())
+    est = Estimates(alpha=0.6, draft_step_s=0.017, verify_s=quiet, calibrated_s=quiet, rtt_s=0.012, stream_s=0.002,
+                    plain_call_s=0.19, plain_streamed_s=0.19, observations=80, batch=16.0)
+    loaded = replace(est, verify_s=tuple((k, t * 1.38 if k in (7, 8) else t) for k, t in quiet))
+    assert pass_time(loaded, 31) == pytest.approx(1.38 * pass_time(replace(est, calibrated_s=()), 31))
+    assert pass_time(loaded, 15) == pytest.approx(1.38 * dict(quiet)[15])  # in the table: as before
+    assert pass_time(loaded, 5) == dict(quiet)[5] and pass_time(est, 31) == pass_time(replace(est, calibrated_s=()), 31)
+    assert hybrid.free_choice(loaded, [0.6])[0] == 0
+    line_through_the_table = pass_time(replace(loaded, calibrated_s=()), 31)  # the reading before
+    assert (1 + 0.6) / (line_through_the_table + loaded.rtt_s) > 1 / plain_time(loaded)  # at which it paid
 
 
 def test_a_round_is_priced_alone_when_its_pass_is_its_own():

@@ -79,7 +79,7 @@ def _pass_time(est: Estimates, k: int) -> float | None:
         return max(points[k], below, _at_load(est, points, k))
     slope, intercept = derived(est, ("fit",), lambda: _fit(points))
     floor = max((t * (k + 1) / (km + 1) for km, t in points.items() if km > k), default=0.0)
-    return max(intercept + slope * k, floor, below)
+    return max(intercept + slope * k, floor, below, _line_at_load(est, k))
 
 
 def _at_load(est: Estimates, points: dict[int, float], k: int) -> float:
@@ -88,12 +88,36 @@ def _at_load(est: Estimates, points: dict[int, float], k: int) -> float:
     timed since, or nothing below it was). Under load a session times the batch's passes, T(B - 1),
     while the rest of the table stays the quiet host's: read side by side, one more position beside
     the batch would look free (its pass priced below the one it joins, lifted only to it)."""
-    calibrated = derived(est, ("calibrated",), lambda: dict(est.calibrated_s))
+    calibrated = _calibrated(est)
     if calibrated.get(k) is None or points[k] != calibrated[k]:
         return 0.0
-    ratios = derived(est, ("load ratios",), lambda: _running_peaks(
-        (km, t / calibrated[km]) for km, t in points.items() if calibrated.get(km) not in (None, t, 0.0)))
-    return calibrated[k] * _peak_below(ratios, k)
+    return calibrated[k] * _load_ratio(est, k)
+
+
+def _line_at_load(est: Estimates, k: int) -> float:
+    """A pass never timed (beyond the table: B sessions' drafts), priced as `_at_load` prices a
+    calibrated one: the calibration's own line at k times the load the learnt passes of fewer
+    positions show (0.0: no calibration). The line through the table alone mixes learnt passes with
+    the quiet host's, so past the table it grows at the quiet rate while the pass it is weighed
+    against is priced at the load."""
+    calibrated = _calibrated(est)
+    if not calibrated:
+        return 0.0
+    slope, intercept = derived(est, ("calibrated fit",), lambda: _fit(calibrated))
+    return (intercept + slope * k) * _load_ratio(est, k)
+
+
+def _calibrated(est: Estimates) -> dict[int, float]:
+    return derived(est, ("calibrated",), lambda: dict(est.calibrated_s))
+
+
+def _load_ratio(est: Estimates, k: int) -> float:
+    """The largest ratio of a learnt pass of fewer than k + 1 positions to its calibration (0.0: none)."""
+    def peaks() -> tuple[list[int], list[float]]:
+        calibrated = _calibrated(est)
+        return _running_peaks((km, t / calibrated[km]) for km, t in est.verify_s
+                              if calibrated.get(km) not in (None, t, 0.0))
+    return _peak_below(derived(est, ("load ratios",), peaks), k)
 
 
 def _dearest_below(est: Estimates, k: int) -> float:
