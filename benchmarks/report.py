@@ -439,6 +439,8 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "load_avx2_contends": load_runs("load_avx2_contends"),
     "load_avx2_atload": load_runs("load_avx2_atload"),
     "load_avx2_judged": load_runs("load_avx2_judged"),
+    "load_zen4": load_runs("load_zen4"),
+    "load_zen4_line": load_runs("load_zen4_line"),
     "goals": goals,
     "rows": rows,
     "head_vocab": head_vocab,
