@@ -3,7 +3,7 @@ costs, on the fetched GGUF file as specd serves it. The repeats go round the row
 count once, then again), so a slow minute of this shared host hits them all alike.
 
     .venv/bin/python -m benchmarks.rows [--repeats 7] [--max-rows 16] [--role draft] [--model PATH]
-                                        [--llama-server PATH] [--against REV]
+                                        [--llama-server PATH] [--against REV] [--busy SHARE]
 
 Writes benchmarks/results/rows.json (rows_draft.json; SPECD_MARCH=haswell adds _haswell: the AVX2
 build on this host; `--name` another name, e.g. rows_avx2 for an AVX2-only host): per row count the
@@ -15,6 +15,8 @@ run: each build's engine in a process of its own, their passes taken in turn (ea
 one, then the other, the order alternating by repeat), so a slow minute of the host hits both.
 REV's kernels are loaded through this checkout's Python side: a revision whose C interface (the
 structs of quants.h and decoder.c, the entry points) differs cannot be timed this way.
+`--busy SHARE`: meanwhile another process keeps one core busy SHARE of every BUSY_PERIOD_S, as the
+services' other threads (gRPC, the coordinator, Redis) do on a small host whose cores they share.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ import tarfile
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from benchmarks import llama_server
@@ -41,6 +44,7 @@ from services.models import model_path
 ROOT = Path(__file__).resolve().parents[1]
 CONTEXT = 160  # tokens the session holds: a prompt and some output
 LLAMA_TOKENS = 32  # llama-server's tokens per request: its context stays near CONTEXT
+BUSY_PERIOD_S = 0.008  # --busy: the interfering process's cycle of work and sleep
 
 
 def pass_s(engine: ModelEngine, rows: int) -> float:
@@ -51,6 +55,23 @@ def pass_s(engine: ModelEngine, rows: int) -> float:
     elapsed = time.perf_counter() - start
     engine.truncate("s", n)
     return elapsed
+
+
+@contextmanager
+def interference(share: float) -> Iterator[None]:
+    """Another process busy on one core `share` of every BUSY_PERIOD_S while the block runs (none for 0)."""
+    if share <= 0:
+        yield
+        return
+    busy, idle = share * BUSY_PERIOD_S, (1 - share) * BUSY_PERIOD_S
+    code = (f"import time\nwhile True:\n    t = time.perf_counter()\n"
+            f"    while time.perf_counter() - t < {busy}: pass\n    time.sleep({idle})")
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        yield
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def held_tokens() -> list[int]:
@@ -143,9 +164,12 @@ def main() -> None:
     parser.add_argument("--llama-server", type=Path, help="llama.cpp's llama-server: its time per token too")
     parser.add_argument("--against", metavar="REV", help="a git revision whose kernels are timed beside this one's")
     parser.add_argument("--name", help="the result's name (default rows, rows_draft, rows_<march>)")
+    parser.add_argument("--busy", type=float, default=0.0, help="share of a core another process keeps busy meanwhile")
     parser.add_argument("--serve-passes", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--csrc", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if not 0.0 <= args.busy < 1.0:
+        parser.error(f"--busy is a share of a core in [0, 1), not {args.busy}")
     path = args.model or model_path(args.role)
     if args.serve_passes:
         if args.csrc:
@@ -153,14 +177,17 @@ def main() -> None:
         serve_passes(holding_context(ModelEngine(EngineConfig(path, threads=args.threads, quantize="auto"))))
         return
     result = {"benchmark": "rows", "model": path.name, "role": args.role, "march": native.default_march(),
-              "threads": args.threads, "context": CONTEXT, "repeats": args.repeats, "machine": machine()}
+              "threads": args.threads, "context": CONTEXT, "repeats": args.repeats, "busy": args.busy,
+              "machine": machine()}
     with tempfile.TemporaryDirectory() as tmp:
         servers = {"pass_s": PassServer(path, args.threads)}
         if args.against:
             servers["against_pass_s"] = PassServer(path, args.threads, kernel_sources(args.against, Path(tmp)))
         try:
             result["numerics"] = servers["pass_s"].numerics
-            result |= sweep({name: server.pass_s for name, server in servers.items()}, args.max_rows, args.repeats)
+            with interference(args.busy):
+                result |= sweep({name: server.pass_s for name, server in servers.items()}, args.max_rows,
+                                args.repeats)
         finally:
             for server in servers.values():
                 server.close()

@@ -1438,7 +1438,9 @@ static void matmul_packed(const gg_linear *w, const pack_info *t, const uint8_t 
     const int64_t strips = (N + LANES - 1) / LANES, tiles = (M + PK_TILE - 1) / PK_TILE;
     const int64_t G = M == 1 ? PK_P : PK_P_ROWS, groups = (strips + G - 1) / G;
     const int64_t pb = panel_bytes(t, K);
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    /* guided: a thread the OS preempts (the services' other threads share a small host's cores) leaves
+     * the groups it has not taken to the others, where a static split would hold the pass for it */
+#pragma omp parallel for num_threads(threads) schedule(guided) if (threads > 1)
     for (int64_t g = 0; g < groups; g++) {
         const int64_t s0 = g * G, P = strips - s0 < G ? strips - s0 : G;
         for (int64_t i = 0, m0 = 0; i < tiles; i++) {
