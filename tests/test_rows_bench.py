@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
 from benchmarks import rows
+from benchmarks.common import descendants
 from tests.tiny_gguf import write_tiny
 
 
@@ -39,3 +43,25 @@ def test_against_a_revision_times_both_builds_and_names_the_commit(tmp_path, mon
 def test_a_revision_that_does_not_exist_is_refused(tmp_path):
     with pytest.raises(subprocess.CalledProcessError):
         rows.kernel_sources("no-such-revision-anywhere", tmp_path)
+
+
+def test_busy_keeps_another_process_on_a_core_only_while_the_passes_run():
+    def interferers() -> list[int]:
+        return [pid for pid, command in descendants(os.getpid()).items() if "perf_counter" in command]
+
+    assert interferers() == []
+    with rows.interference(0.5):
+        (pid,) = interferers()
+        time.sleep(0.5)
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        assert int(fields[11]) > 0  # it spent time on a core (utime, in clock ticks)
+    assert interferers() == []
+    with rows.interference(0.0):
+        assert interferers() == []
+
+
+@pytest.mark.parametrize("share", ["-0.1", "1.0"])
+def test_busy_outside_a_share_of_a_core_is_refused(share, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["rows", "--busy", share])
+    with pytest.raises(SystemExit):
+        rows.main()
