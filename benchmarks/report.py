@@ -441,6 +441,7 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "load_avx2_judged": load_runs("load_avx2_judged"),
     "load_zen4": load_runs("load_zen4"),
     "load_zen4_line": load_runs("load_zen4_line"),
+    "load_zen4_guided": load_runs("load_zen4_guided"),
     "goals": goals,
     "rows": rows,
     "head_vocab": head_vocab,
