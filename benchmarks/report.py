@@ -266,13 +266,16 @@ def _rows_label(run: dict, first: dict) -> str:
 def rows(results: Path) -> str:
     runs = [load(results, name) for name in ("rows", "rows_draft", "rows_haswell", "rows_avx2", "rows_draft_avx2")]
     counts = list(runs[0]["pass_s"])
+    def ms(run: dict, key: str) -> str:
+        return f"{run[key] * 1e3:.1f}" if key in run else "—"
+
     body = [[_rows_label(run, runs[0]), *(f"{run['pass_s'].get(n, float('nan')) * 1e3:.1f}" for n in counts),
-             f"{run['llama_server_per_token_s'] * 1e3:.1f}" if "llama_server_per_token_s" in run else "—"]
-            for run in runs]
+             ms(run, "decode_per_token_s"), ms(run, "llama_server_per_token_s")] for run in runs]
     head = para(f"One pass of a session holding {runs[0]['context']} tokens, by rows fed ({runs[0]['machine']['cpu']}, "
-                f"{runs[0]['threads']} threads, median of {runs[0]['repeats']}), and llama-server's own decoding "
-                "time per token on the same file (its `predicted_per_token_ms`):") + "\n"
-    return head + table(["rows", *counts, "llama-server"], body)
+                f"{runs[0]['threads']} threads, median of {runs[0]['repeats']}); plain decoding's time per token, the "
+                "engine's alone (one-row passes in a row) and llama-server's own on the same file (its "
+                "`predicted_per_token_ms`), taken side by side after each repeat (— where a run did not):") + "\n"
+    return head + table(["rows", *counts, "decoding", "llama-server"], body)
 
 
 def head_vocab(results: Path) -> str:

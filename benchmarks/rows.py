@@ -8,8 +8,11 @@ count once, then again), so a slow minute of this shared host hits them all alik
 Writes benchmarks/results/rows.json (rows_draft.json; SPECD_MARCH=haswell adds _haswell: the AVX2
 build on this host; `--name` another name, e.g. rows_avx2 for an AVX2-only host): per row count the
 median pass time; with
-`--llama-server`, also llama.cpp's own decoding time per token on the same file and threads (its
-`predicted_per_token_ms`, generating LLAMA_TOKENS after the same held tokens), measured after ours.
+`--llama-server`, also plain decoding's time per token, ours (`decode_per_token_s`: LLAMA_TOKENS
+one-row passes in a row, the engine alone) and llama.cpp's own on the same file and threads (its
+`predicted_per_token_ms`, generating LLAMA_TOKENS after the same held tokens): both after each
+repeat's row counts, which first alternating, so that the two come from the same minutes (this
+host's speed drifts by more than the difference between them).
 `--against REV`: the kernels of git revision REV (its specd/csrc) as well, before and after in one
 run: each build's engine in a process of its own, their passes taken in turn (each row count by
 one, then the other, the order alternating by repeat), so a slow minute of the host hits both.
@@ -22,6 +25,7 @@ services' other threads (gRPC, the coordinator, Redis) do on a small host whose 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import json
 import statistics
@@ -44,6 +48,7 @@ from services.models import model_path
 ROOT = Path(__file__).resolve().parents[1]
 CONTEXT = 160  # tokens the session holds: a prompt and some output
 LLAMA_TOKENS = 32  # llama-server's tokens per request: its context stays near CONTEXT
+LLAMA_SETTLE_S = 0.5  # after a request llama-server's threads poll for work a while: the pass after it waits this long
 BUSY_PERIOD_S = 0.008  # --busy: the interfering process's cycle of work and sleep
 
 
@@ -78,6 +83,18 @@ def held_tokens() -> list[int]:
     return [(7 * i) % 20000 + 100 for i in range(CONTEXT)]
 
 
+def decode_s(engine: ModelEngine, tokens: int) -> float:
+    """Plain decoding as llama-server times it: `tokens` one-row passes in a row, each feeding the
+    last one's greedy token after the held tokens; seconds per token, then rolled back."""
+    n, token = engine.position("s"), 1000
+    start = time.perf_counter()
+    for _ in range(tokens):
+        token = int(engine.forward_many([("s", [token])])[0][-1].argmax())
+    elapsed = time.perf_counter() - start
+    engine.truncate("s", n)
+    return elapsed / tokens
+
+
 def holding_context(engine: ModelEngine) -> ModelEngine:
     """Session "s" holding CONTEXT cached tokens, one pass warmed up: what `pass_s` measures on."""
     engine.sync("s", 0, held_tokens())
@@ -86,14 +103,17 @@ def holding_context(engine: ModelEngine) -> ModelEngine:
     return engine
 
 
-def sweep(passes: dict[str, Callable[[int], float]], max_rows: int, repeats: int) -> dict[str, dict[int, float]]:
+def sweep(passes: dict[str, Callable[[int], float]], max_rows: int, repeats: int,
+          after_repeat: Callable[[], object] = lambda: None) -> dict[str, dict[int, float]]:
     """Per named pass function, the median seconds by row count; within a repeat each row count runs
-    on every function in turn, the order reversed on every other repeat."""
+    on every function in turn, the order reversed on every other repeat; `after_repeat` runs after
+    each repeat (another program's timing, taken in the same minutes)."""
     times = {name: {r: [] for r in range(1, max_rows + 1)} for name in passes}
     for repeat in range(repeats):
         for rows in range(1, max_rows + 1):
             for name in (list(passes) if repeat % 2 == 0 else reversed(list(passes))):
                 times[name][rows].append(passes[name](rows))
+        after_repeat()
     return {name: {r: round(statistics.median(ts), 4) for r, ts in by_rows.items()} for name, by_rows in times.items()}
 
 
@@ -116,7 +136,13 @@ class PassServer:
         self.numerics: str = json.loads(ready)["numerics"]
 
     def pass_s(self, rows: int) -> float:
-        self.process.stdin.write(f"{rows}\n")
+        return self._ask(str(rows))
+
+    def decode_s(self) -> float:
+        return self._ask("decode")
+
+    def _ask(self, line: str) -> float:
+        self.process.stdin.write(f"{line}\n")
         self.process.stdin.flush()
         return float(self.process.stdout.readline())
 
@@ -126,10 +152,18 @@ class PassServer:
 
 
 def serve_passes(engine: ModelEngine) -> None:
-    """--serve-passes: its numerics when ready, then for each row count read from stdin the seconds of one pass."""
+    """--serve-passes: its numerics when ready, then for each line read from stdin the seconds of one
+    pass of that many rows ("decode": a token's of LLAMA_TOKENS decoded in a row)."""
     print(json.dumps({"numerics": engine.numerics.reason}), flush=True)
     for line in sys.stdin:
-        print(pass_s(engine, int(line)), flush=True)
+        print(decode_s(engine, LLAMA_TOKENS) if line.strip() == "decode" else pass_s(engine, int(line)), flush=True)
+
+
+def side_by_side(ours: PassServer, llama: LlamaTokens, decoded: list[float]) -> None:
+    """Our plain decoding and llama-server's, one after the other, which first alternating."""
+    steps = [lambda: decoded.append(ours.decode_s()), llama.take]
+    for step in steps if len(decoded) % 2 == 0 else reversed(steps):
+        step()
 
 
 def kernel_sources(rev: str, into: Path) -> Path:
@@ -141,17 +175,25 @@ def kernel_sources(rev: str, into: Path) -> Path:
     return into / "specd" / "csrc"
 
 
-def llama_per_token_s(binary: Path, model: Path, threads: int, repeats: int) -> float:
-    """llama-server's median decoding time per token (its own timings: no HTTP, no sampling setup)."""
-    body = json.dumps({"prompt": held_tokens(), "n_predict": LLAMA_TOKENS, "temperature": 0, "ignore_eos": True,
-                       "cache_prompt": False}).encode()
-    times = []
-    with llama_server.serve(binary, model, threads) as server:
-        for _ in range(repeats + 1):
-            request = urllib.request.Request(server.url + "/completion", body, {"Content-Type": "application/json"})
-            with urllib.request.urlopen(request, timeout=300) as reply:
-                times.append(json.load(reply)["timings"]["predicted_per_token_ms"] / 1e3)
-    return round(statistics.median(times[1:]), 4)  # the first warms it up
+class LlamaTokens:
+    """llama-server's decoding time per token (its own timings: no HTTP, no sampling setup), one
+    request at a time (`take`), on a server started on the same file and threads; the first warms it."""
+
+    def __init__(self, server: llama_server.Server):
+        self.url, self.times = server.url, []
+        self.take()
+        self.times.clear()
+
+    def take(self) -> None:
+        body = json.dumps({"prompt": held_tokens(), "n_predict": LLAMA_TOKENS, "temperature": 0, "ignore_eos": True,
+                           "cache_prompt": False}).encode()
+        request = urllib.request.Request(self.url + "/completion", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=300) as reply:
+            self.times.append(json.load(reply)["timings"]["predicted_per_token_ms"] / 1e3)
+        time.sleep(LLAMA_SETTLE_S)
+
+    def median_s(self) -> float:
+        return round(statistics.median(self.times), 4)
 
 
 def main() -> None:
@@ -179,15 +221,19 @@ def main() -> None:
     result = {"benchmark": "rows", "model": path.name, "role": args.role, "march": native.default_march(),
               "threads": args.threads, "context": CONTEXT, "repeats": args.repeats, "busy": args.busy,
               "machine": machine()}
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as peers:
+        llama = (LlamaTokens(peers.enter_context(llama_server.serve(args.llama_server, path, args.threads)))
+                 if args.llama_server else None)
         servers = {"pass_s": PassServer(path, args.threads)}
         if args.against:
             servers["against_pass_s"] = PassServer(path, args.threads, kernel_sources(args.against, Path(tmp)))
         try:
             result["numerics"] = servers["pass_s"].numerics
             with interference(args.busy):
+                decoded = []
                 result |= sweep({name: server.pass_s for name, server in servers.items()}, args.max_rows,
-                                args.repeats)
+                                args.repeats, (lambda: side_by_side(servers["pass_s"], llama, decoded)) if llama
+                                else lambda: None)
         finally:
             for server in servers.values():
                 server.close()
@@ -196,8 +242,9 @@ def main() -> None:
                                 text=True).stdout.strip()
         result["against"] = {"rev": args.against, "commit": commit}
         result["extra_row_s"] = {"this": extra_row_s(result["pass_s"]), "against": extra_row_s(result["against_pass_s"])}
-    if args.llama_server:
-        result["llama_server_per_token_s"] = llama_per_token_s(args.llama_server, path, args.threads, args.repeats)
+    if llama:
+        result["decode_per_token_s"] = round(statistics.median(decoded), 4)
+        result["llama_server_per_token_s"] = llama.median_s()
     print(result)
     name = args.name or ("rows" + ("" if args.role == "target" else "_draft")
                          + ("" if result["march"] == native.NATIVE else f"_{result['march']}"))

@@ -24,6 +24,13 @@ def test_every_pass_function_times_every_row_count_in_alternating_turns():
     assert rows.extra_row_s({1: 0.04, 5: 0.08}) == 0.01
 
 
+def test_another_programs_timing_is_taken_after_every_repeat_of_the_passes():
+    calls = []
+    rows.sweep({"a": lambda r: calls.append(("a", r)) or 0.1}, max_rows=2, repeats=3,
+               after_repeat=lambda: calls.append("llama"))
+    assert calls == [("a", 1), ("a", 2), "llama"] * 3
+
+
 def test_against_a_revision_times_both_builds_and_names_the_commit(tmp_path, monkeypatch):
     model = write_tiny(tmp_path / "llama.gguf", "llama", "Q4_K", vocab=20200)  # the ids rows.py feeds
     written = {}
