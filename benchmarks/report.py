@@ -394,8 +394,11 @@ def round_parts(results: Path) -> str:
     rows = [[label, *(f"{parts[config][key]:.2f}" for config in parts)] for key, label in names.items()]
     rows += [["fixed cost ÷ target pass", *(f"{parts[c]['fixed_vs_pass'] * 100:.1f} %" for c in parts)],
              ["tokens per round", *(f"{parts[c]['tokens_per_round']:.2f}" for c in parts)],
-             ["tokens/s (÷ the engine's own plain rate)",
+             ["tokens/s (÷ the pass's rate in the service)",
               *(f"{parts[c]['tokens_per_s']:.1f} ({parts[c]['plain_vs_pass']:.2f})" for c in parts)]]
+    if "engine_alone" in run:
+        rows.append([f"÷ the engine decoding alone ({run['engine_alone']['tokens_per_s']:.1f} tok/s)",
+                     *(f"{parts[c]['vs_engine_alone']:.2f}" for c in parts)])
     settings = run["settings"]
     head = para(f"`results/round_parts.json`: {run['machine']['cpu']}, prompts {', '.join(settings['prompts'])}; "
                 f"{settings['tokens']} tokens less 1, {settings['repeats']}× each; {run['duration_s'] / 60:.1f} min. "
