@@ -400,7 +400,8 @@ def round_parts(results: Path) -> str:
         rows.append([f"÷ the engine decoding alone ({run['engine_alone']['tokens_per_s']:.1f} tok/s)",
                      *(f"{parts[c]['vs_engine_alone']:.2f}" for c in parts)])
     settings = run["settings"]
-    head = para(f"`results/round_parts.json`: {run['machine']['cpu']}, prompts {', '.join(settings['prompts'])}; "
+    head = para(f"`results/round_parts.json`: {run['machine']['cpu']} ({'/'.join(run['machine']['vector_extensions'])}), "
+                f"prompts {', '.join(settings['prompts'])}; "
                 f"{settings['tokens']} tokens less 1, {settings['repeats']}× each; {run['duration_s'] / 60:.1f} min. "
                 "Milliseconds per steady-state round:") + "\n"
     return head + table(["part", *parts], rows)
