@@ -84,8 +84,8 @@ def held_tokens() -> list[int]:
 
 
 def decode_s(engine: ModelEngine, tokens: int) -> float:
-    """Plain decoding as llama-server times it: `tokens` one-row passes in a row, each feeding the
-    last one's greedy token after the held tokens; seconds per token, then rolled back."""
+    """Plain decoding as llama-server times it: `tokens` one-row passes in a row after session "s"'s
+    tokens, each feeding the last one's greedy token; seconds per token, then rolled back."""
     n, token = engine.position("s"), 1000
     start = time.perf_counter()
     for _ in range(tokens):

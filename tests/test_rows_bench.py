@@ -31,6 +31,24 @@ def test_another_programs_timing_is_taken_after_every_repeat_of_the_passes():
     assert calls == [("a", 1), ("a", 2), "llama"] * 3
 
 
+def test_side_by_side_decoding_alternates_which_of_the_two_goes_first():
+    calls, decoded = [], []
+
+    class Ours:
+        def decode_s(self):
+            calls.append("ours")
+            return 0.03
+
+    class Llama:
+        def take(self):
+            calls.append("llama")
+
+    for _ in range(3):
+        rows.side_by_side(Ours(), Llama(), decoded)
+    assert calls == ["ours", "llama", "llama", "ours", "ours", "llama"]
+    assert decoded == [0.03] * 3
+
+
 def test_against_a_revision_times_both_builds_and_names_the_commit(tmp_path, monkeypatch):
     model = write_tiny(tmp_path / "llama.gguf", "llama", "Q4_K", vocab=20200)  # the ids rows.py feeds
     written = {}
