@@ -8,12 +8,14 @@ time outside the model calls beyond a fixed `HostCosts.overhead` a round.
 
     .venv/bin/python -m benchmarks.replay --record     # once: the fetched pair, 16 prompts (minutes)
     .venv/bin/python -m benchmarks.replay --draft-ms 18 --draft-ms 16
+    .venv/bin/python -m benchmarks.replay --draft-ms 16 --target-ms 33 --row-ms 3.5 --fixed-k 3 --fixed-k 4
 
 Record: for each prompt of prompts.json and prompts_heldout.json, the target's 128 greedy tokens,
 its confidence at each (its probability of its own token) and whether the draft's greedy token there
 was the same; written to results/replay_traces.json. Replay: the draft agrees where the record
 says, the target reports the recorded confidence, from a fresh owner's calibrated prior (α 0.7);
-the ratio leaves the prompt's round (the prefill, alike in both) out. Writes results/replay.json.
+the ratio leaves the prompt's round (the prefill, alike in both) out. `--fixed-k K`: the same
+traces at a pinned K as well, what the adaptive policy is to match. Writes results/replay.json.
 """
 
 from __future__ import annotations
@@ -47,8 +49,8 @@ class HostCosts:
     overhead: float = 0.004  # a round's time outside the model calls
 
 
-def replay(trace: dict, costs: HostCosts, tokens: int = TOKENS) -> tuple[float, int]:
-    """(plain time ÷ adaptive time, drafts the draft model made) for one recorded prompt."""
+def replay(trace: dict, costs: HostCosts, tokens: int = TOKENS, fixed_k: int | None = None) -> tuple[float, int]:
+    """(plain time ÷ adaptive time, or at a pinned K, drafts the draft model made) for one recorded prompt."""
     start, agree, confidence = trace["prompt_tokens"], trace["agree"], trace["confidence"]
 
     def at(prefix, values):
@@ -63,7 +65,8 @@ def replay(trace: dict, costs: HostCosts, tokens: int = TOKENS) -> tuple[float, 
                         FakeVerifier(target_rule, compute_s=costs.target_step, row_s=costs.row,
                                      confidence=lambda prefix: at(prefix, confidence)),
                         FakeStore(learned=_calibrated(costs)))
-    request = GenerationRequest(tuple(3 + i % 40 for i in range(start)), StopRules(tokens), SamplingParams())
+    request = GenerationRequest(tuple(3 + i % 40 for i in range(start)), StopRules(tokens), SamplingParams(),
+                                fixed_k=fixed_k)
 
     async def run():
         return [e async for e in generate(request, "replay", services, lambda ids: "", True, records.append)]
@@ -80,9 +83,9 @@ def _calibrated(costs: HostCosts) -> PolicyState:
     return PolicyState(estimates=Estimates(draft_step_s=costs.draft_step, rtt_s=costs.overhead / 2, verify_s=verify))
 
 
-def by_class(traces: list[dict], costs: HostCosts) -> dict:
-    """Mean and worst adaptive ÷ plain per class, and each prompt's."""
-    prompts = {t["name"]: replay(t, costs) for t in traces}
+def by_class(traces: list[dict], costs: HostCosts, fixed_k: int | None = None) -> dict:
+    """Mean and worst adaptive (or pinned K) ÷ plain per class, and each prompt's."""
+    prompts = {t["name"]: replay(t, costs, fixed_k=fixed_k) for t in traces}
     classes: dict[str, list[float]] = {}
     for t in traces:
         classes.setdefault(t["kind"], []).append(prompts[t["name"]][0])
@@ -123,18 +126,29 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--record", action="store_true", help="record the traces from the fetched pair first")
     parser.add_argument("--draft-ms", type=float, action="append", help="draft step(s) to replay at (repeatable)")
+    defaults = HostCosts()
+    for name, help_ in (("target", "a one-row pass"), ("row", "each further verification row"),
+                        ("catch-up", "the draft's catch-up, a token"), ("overhead", "a round's time outside the calls")):
+        field = name.replace("-", "_") + ("_step" if name == "target" else "")
+        parser.add_argument(f"--{name}-ms", type=float, default=getattr(defaults, field) * 1e3,
+                            help=f"{help_} (default: the AVX2 host's)")
+    parser.add_argument("--fixed-k", type=int, action="append", default=[], help="also replay at this pinned K (repeatable)")
+    parser.add_argument("--name", default="replay", help="result name under benchmarks/results/")
     args = parser.parse_args()
     if args.record:
         TRACES.write_text(json.dumps({"machine": machine(), "tokens": TOKENS, "traces": record()}) + "\n")
     traces = json.loads(TRACES.read_text())["traces"]
     runs = []
-    for draft_ms in args.draft_ms or [HostCosts().draft_step * 1e3]:
-        costs = HostCosts(draft_step=draft_ms / 1e3)
+    for draft_ms in args.draft_ms or [defaults.draft_step * 1e3]:
+        costs = HostCosts(draft_step=draft_ms / 1e3, catch_up=args.catch_up_ms / 1e3, target_step=args.target_ms / 1e3,
+                          row=args.row_ms / 1e3, overhead=args.overhead_ms / 1e3)
         result = by_class(traces, costs)
-        runs.append({"costs": costs.__dict__, **result})
-        print(f"draft step {draft_ms:.0f} ms:", " ".join(f"{k} {v['mean']:.3f} (worst {v['worst']:.3f})"
-                                                        for k, v in result["classes"].items()))
-    print("wrote", write("replay", {"benchmark": "replay", "runs": runs}))
+        fixed = {k: by_class(traces, costs, fixed_k=k)["classes"] for k in args.fixed_k}
+        runs.append({"costs": costs.__dict__, **result} | ({"fixed_k": fixed} if fixed else {}))
+        for label, classes in (("adaptive", result["classes"]), *((f"K = {k}", c) for k, c in fixed.items())):
+            print(f"draft step {draft_ms:.0f} ms, {label}:", " ".join(f"{kind} {v['mean']:.3f} (worst {v['worst']:.3f})"
+                                                                  for kind, v in classes.items()))
+    print("wrote", write(args.name, {"benchmark": "replay", "runs": runs}))
 
 
 if __name__ == "__main__":

@@ -25,3 +25,11 @@ def test_a_cheaper_draft_step_replays_faster_and_classes_report_their_mean_and_w
     assert fast["classes"]["code"]["mean"] > slow["classes"]["code"]["mean"]
     code = slow["classes"]["code"]
     assert code["worst"] == min(p["speedup"] for p in slow["prompts"].values()) <= code["mean"]
+
+
+def test_a_pinned_k_replays_at_that_k_beside_the_adaptive_policy():
+    traces = [trace("a", "code", 1, 0.95)]
+    pinned = by_class(traces, HostCosts(), fixed_k=2)
+    _, drafts = replay(traces[0], HostCosts(), fixed_k=2)
+    assert 2 * 40 <= drafts <= 2 * 43  # two a round (the last may draft fewer): a draft always right, ~42 rounds
+    assert pinned["classes"]["code"]["mean"] != by_class(traces, HostCosts())["classes"]["code"]["mean"]
