@@ -266,6 +266,7 @@ def _rows_label(run: dict, first: dict) -> str:
 def rows(results: Path) -> str:
     runs = [load(results, name) for name in ("rows", "rows_draft", "rows_haswell", "rows_avx2", "rows_draft_avx2")]
     counts = list(runs[0]["pass_s"])
+
     def ms(run: dict, key: str) -> str:
         return f"{run[key] * 1e3:.1f}" if key in run else "—"
 
@@ -274,7 +275,8 @@ def rows(results: Path) -> str:
     head = para(f"One pass of a session holding {runs[0]['context']} tokens, by rows fed ({runs[0]['machine']['cpu']}, "
                 f"{runs[0]['threads']} threads, median of {runs[0]['repeats']}); plain decoding's time per token, the "
                 "engine's alone (one-row passes in a row) and llama-server's own on the same file (its "
-                "`predicted_per_token_ms`), taken side by side after each repeat (— where a run did not):") + "\n"
+                "`predicted_per_token_ms`), taken side by side after each repeat (a row without the engine's: "
+                "llama-server's was timed after the sweep, minutes apart):") + "\n"
     return head + table(["rows", *counts, "decoding", "llama-server"], body)
 
 
