@@ -127,10 +127,11 @@ def main() -> None:
     parser.add_argument("--record", action="store_true", help="record the traces from the fetched pair first")
     parser.add_argument("--draft-ms", type=float, action="append", help="draft step(s) to replay at (repeatable)")
     defaults = HostCosts()
-    for name, help_ in (("target", "a one-row pass"), ("row", "each further verification row"),
-                        ("catch-up", "the draft's catch-up, a token"), ("overhead", "a round's time outside the calls")):
-        field = name.replace("-", "_") + ("_step" if name == "target" else "")
-        parser.add_argument(f"--{name}-ms", type=float, default=getattr(defaults, field) * 1e3,
+    for flag, field, help_ in (("--target-ms", "target_step", "a one-row pass"),
+                               ("--row-ms", "row", "each further verification row"),
+                               ("--catch-up-ms", "catch_up", "the draft's catch-up, a token"),
+                               ("--overhead-ms", "overhead", "a round's time outside the calls")):
+        parser.add_argument(flag, type=float, default=getattr(defaults, field) * 1e3,
                             help=f"{help_} (default: the AVX2 host's)")
     parser.add_argument("--fixed-k", type=int, action="append", default=[], help="also replay at this pinned K (repeatable)")
     parser.add_argument("--name", default="replay", help="result name under benchmarks/results/")

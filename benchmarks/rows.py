@@ -36,7 +36,6 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 from benchmarks import llama_server
@@ -62,7 +61,7 @@ def pass_s(engine: ModelEngine, rows: int) -> float:
     return elapsed
 
 
-@contextmanager
+@contextlib.contextmanager
 def interference(share: float) -> Iterator[None]:
     """Another process busy on one core `share` of every BUSY_PERIOD_S while the block runs (none for 0)."""
     if share <= 0:
