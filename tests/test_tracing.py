@@ -186,6 +186,14 @@ def complete_over_grpc(address: str, session_id: str) -> None:
         assert len(coordinator_pb2_grpc.CoordinatorStub(channel).Complete(ask, timeout=120).token_ids) == N_TOKENS
 
 
+def stream_over_grpc(address: str, session_id: str) -> None:
+    ask = coordinator_pb2.GenerateRequest(text="def add(a, b):", max_tokens=N_TOKENS, ignore_eos=True,
+                                          num_draft_tokens=K, session_id=session_id)
+    with grpc.insecure_channel(address) as channel:
+        replies = list(coordinator_pb2_grpc.CoordinatorStub(channel).Generate(ask, timeout=120))
+    assert sum(len(r.token_ids) for r in replies) == N_TOKENS and replies[-1].finish_reason == "length"
+
+
 def phoenix_spans(phoenix: LocalPhoenix) -> list[dict]:
     """Every span of the project so far (404 until the first span has created the project)."""
     spans, cursor = [], ""
@@ -255,15 +263,18 @@ def parent(spans: dict[str, dict], span: dict) -> dict:
     return spans[span["parent_id"]]
 
 
-@pytest.mark.parametrize("edge", ["rest", "grpc"])
+@pytest.mark.parametrize("edge", ["rest", "grpc", "grpc-stream"])
 def test_one_request_is_one_trace_from_the_edge_to_the_model_work(traced, phoenix, edge):
     session_id = f"trace-{edge}-{uuid.uuid4().hex[:8]}"
     if edge == "rest":
         complete_over_rest(traced.http_url, session_id)
         edge_span = "POST /v1/completions"  # the gateway's HTTP server span
-    else:
+    elif edge == "grpc":
         complete_over_grpc(traced.grpc_address, session_id)
         edge_span = f"/{COORDINATOR}/Complete"  # the coordinator's gRPC server span
+    else:
+        stream_over_grpc(traced.grpc_address, session_id)
+        edge_span = f"/{COORDINATOR}/Generate"
     spans = request_trace(phoenix, session_id)
 
     # coordinator: the edge's server span is the root, the request span its child

@@ -33,9 +33,13 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     def __init__(self, frontend: Frontend, keys: ApiKeys = ApiKeys.open()):
         self.frontend, self.keys = frontend, keys
 
-    async def Generate(self, request: coordinator_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
+    async def Generate(
+        self, request: coordinator_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[coordinator_pb2.GenerateResponse]:
         """Each write may wait `stream_stall_s` on a client that does not read (gRPC's flow control
-        holds it); past that the stream ends and its generation closes, as the REST edge's."""
+        holds it); past that the stream ends and its generation closes, as the REST edge's. An async
+        generator that yields nothing: its writes are context.write's, which the stall limit can time,
+        and a server interceptor (tracing's) iterates the handler."""
         owner = await self._owner(context)
         generation = await self._validated(request, owner, context)
         stall_s = self.frontend.limits.stream_stall_s
@@ -51,6 +55,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         # the generation is closed by now: its quota slot and caches are back before the client hears
         await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"the client read nothing for {stall_s:g} s: "
                                                                "the stream ended")
+        yield  # never reached: abort raises; the yield makes this an async generator
 
     async def Complete(
         self, request: coordinator_pb2.GenerateRequest, context: grpc.aio.ServicerContext
