@@ -102,6 +102,7 @@ class Services:
     model_free: SuffixDrafter | None = None  # drafts from the tokens at hand, in this process (None: off)
     gate: RoundGate = field(default_factory=RoundGate)  # short requests' rounds first (off by default)
     decoder: Decoder | None = None  # plain stretches as one stream of steps (None: a Step RPC a token)
+    clock: Callable[[], float] = time.perf_counter  # what times the calls (a replay's is virtual)
 
 
 @dataclass
@@ -224,14 +225,15 @@ async def _saved_rounds(turn: _Turn, progress: _Progress) -> AsyncIterator[Round
     if turn.checker.finish_reason:
         return
     ahead: asyncio.Task | None = None
-    ready = time.perf_counter()
+    clock = turn.services.clock
+    ready = clock()
     result = await run_round(turn, progress)
     try:
         while True:
             saving = asyncio.ensure_future(_save(turn, result))
             ahead = None if turn.checker.finish_reason else asyncio.ensure_future(run_round(turn, result.progress))
             save_s = await saving
-            now = time.perf_counter()
+            now = clock()
             timing = SessionStats(round_wall_s=now - ready, save_s=save_s)
             ready = now
             yield _with_stats(result, timing)  # the request's stats include its last round's timing
@@ -247,9 +249,10 @@ async def _saved_rounds(turn: _Turn, progress: _Progress) -> AsyncIterator[Round
 
 async def _save(turn: _Turn, result: RoundResult) -> float:
     """Persist a round (fenced: fails if another coordinator took the session over); its seconds."""
-    start = time.perf_counter()
+    clock = turn.services.clock
+    start = clock()
     await turn.services.store.save(turn.lease, result.progress.state, appended_from=result.stored_before)
-    return time.perf_counter() - start
+    return clock() - start
 
 
 def _with_stats(result: RoundResult, stats: SessionStats) -> RoundResult:
@@ -281,7 +284,7 @@ async def _run_round(turn: _Turn, progress: _Progress) -> RoundResult:
         turn.stretch.undrafted = turn.stretch.undrafted + 1 if source == hybrid.NONE else 0
         drafting, outage, proposal = None, False, EMPTY_PROPOSAL
         # a stretch's step in flight is this round's, whatever it chose (the next round chooses again)
-        streamed = await _streamed_step(turn.stretch, plain=source == hybrid.NONE)
+        streamed = await _streamed_step(turn.stretch, services.clock, plain=source == hybrid.NONE)
         if streamed:
             source, k = hybrid.NONE, 0
         elif source == hybrid.FREE:
@@ -296,7 +299,7 @@ async def _run_round(turn: _Turn, progress: _Progress) -> RoundResult:
         elif k == 0 and (steps := _stretch_steps(turn, state, remaining)):
             verifying = await _open_stretch(turn, state, steps)
         else:
-            verifying = await _call(state.target, state.tokens, lambda s: services.verifier.verify(
+            verifying = await _call(services.clock, state.target, state.tokens, lambda s: services.verifier.verify(
                 VerifyRequest(turn.session_id, s, proposal, request.params)
             ))
         verdict, a = verifying.reply.verdict, verifying.reply.verdict.num_accepted
@@ -360,7 +363,7 @@ async def _draft(turn: _Turn, state: SessionState, k: int) -> tuple[_Called | No
     if not services.outage.drafting(services.drafter):
         return None, True
     try:
-        return await asyncio.wait_for(_call(state.draft, state.tokens, lambda s: services.drafter.propose(
+        return await asyncio.wait_for(_call(services.clock, state.draft, state.tokens, lambda s: services.drafter.propose(
             ProposeRequest(turn.session_id, s, k, request.params, min_confidence=_min_confidence(request))
         )), services.outage.timeout_s), False
     except (ServiceUnavailable, TimeoutError) as error:
@@ -543,16 +546,17 @@ def _observation(k: int, accepted: int, drafting: _Called | None, verifying: _Ca
     )
 
 
-async def _call(cursor: ServiceCursor, committed: Sequence[int], call: Callable[[SyncPoint], Awaitable[T]]) -> _Called:
+async def _call(clock: Callable[[], float], cursor: ServiceCursor, committed: Sequence[int],
+                call: Callable[[SyncPoint], Awaitable[T]]) -> _Called:
     """Call a service with the tokens it lacks; if it lost the session, resend everything."""
-    start = time.perf_counter()
+    start = clock()
     sync, resynced = _sync(cursor, committed), False
     try:
         reply = await call(sync)
     except StaleSession:
         sync, resynced = _sync(ServiceCursor(), committed), True
         reply = await call(sync)
-    return _Called(reply, time.perf_counter() - start, len(sync.tokens), resynced)
+    return _Called(reply, clock() - start, len(sync.tokens), resynced)
 
 
 def _stretch_steps(turn: _Turn, state: SessionState, remaining: int) -> int:
@@ -572,13 +576,13 @@ def _stretch_steps(turn: _Turn, state: SessionState, remaining: int) -> int:
 async def _open_stretch(turn: _Turn, state: SessionState, steps: int) -> _Called:
     """Start streaming plain steps; its first step is this round's."""
     decoder, request = turn.services.decoder, turn.request
-    called = await _call(state.target, state.tokens, lambda s: decoder.decode(
+    called = await _call(turn.services.clock, state.target, state.tokens, lambda s: decoder.decode(
         DecodeRequest(VerifyRequest(turn.session_id, s, EMPTY_PROPOSAL, request.params), steps)))
-    turn.stretch.steps, turn.stretch.last = called.reply, time.perf_counter()
+    turn.stretch.steps, turn.stretch.last = called.reply, turn.services.clock()
     return replace(called, reply=called.reply.first)
 
 
-async def _streamed_step(stretch: _Stretch, plain: bool) -> _Called | None:
+async def _streamed_step(stretch: _Stretch, clock: Callable[[], float], plain: bool) -> _Called | None:
     """The stretch's next step (None: no stretch, or it ended); a round that would not be plain
     stops it first, and still takes the step in flight."""
     if stretch.steps is None:
@@ -589,7 +593,7 @@ async def _streamed_step(stretch: _Stretch, plain: bool) -> _Called | None:
     if reply is None:
         stretch.close()
         return None
-    now = time.perf_counter()
+    now = clock()
     called, stretch.last = _Called(reply, now - stretch.last, 1), now
     return called
 

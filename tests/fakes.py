@@ -52,6 +52,17 @@ def target_alone(prompt: Sequence[int], n: int, rule: NextToken = target_rule) -
 
 
 @dataclass
+class VirtualClock:
+    """Seconds that pass only as the fakes report work (a replay's `Services.clock`): a call's
+    compute plus its `rpc_s`."""
+
+    now: float = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass
 class FakeService:
     rule: NextToken
     sessions: dict[str, list[int]] = field(default_factory=dict)
@@ -61,10 +72,17 @@ class FakeService:
     compute_s: float = 0.01  # reported model time per call
     wait_s: float = 0.0  # each call first waits this long (a queue or a slow network)...
     wait_is_queue: bool = True  # ...reported as queued_s (load) or not (the network)
+    clock: VirtualClock | None = None  # advanced by each call's reported compute and rpc_s
+    rpc_s: float = 0.0  # a call's time beyond its compute, on the virtual clock
 
     async def _wait(self) -> float:
         await asyncio.sleep(self.wait_s)
         return self.wait_s if self.wait_is_queue else 0.0
+
+    def _took(self, compute_s: float) -> float:
+        if self.clock is not None:
+            self.clock.now += compute_s + self.rpc_s
+        return compute_s
 
     def _sync(self, session_id: str, sync: SyncPoint) -> list[int]:
         self.calls += 1
@@ -88,7 +106,8 @@ class FakeService:
 @dataclass
 class FakeDrafter(FakeService):
     confidence: Callable[[Sequence[int]], float] = lambda prefix: 1.0  # the draft's probability of its next token
-    catch_up_s: float = 0.0  # reported model time per token synced before drafting (a prefill)
+    catch_up_s: float = 0.0  # reported model time per token synced before drafting (a prefill)...
+    rides_along: int = 0  # ...beyond this many: the round's own tokens, fed with the first draft's pass
     down: bool = False  # no replica answers: propose raises ServiceUnavailable, probe says False
     probes: int = 0
 
@@ -105,8 +124,8 @@ class FakeDrafter(FakeService):
                 break
         drafted = len(tokens) - position
         proposal = Proposal(tuple(tokens[position:]), ())
-        compute_s = self.compute_s * drafted + self.catch_up_s * len(request.sync.tokens)
-        return DraftReply(proposal, position, self.instance_id, compute_s, await self._wait())
+        compute_s = self.compute_s * drafted + self.catch_up_s * max(0, len(request.sync.tokens) - self.rides_along)
+        return DraftReply(proposal, position, self.instance_id, self._took(compute_s), await self._wait())
 
     async def probe(self) -> bool:
         self.probes += 1
@@ -133,7 +152,7 @@ class FakeVerifier(FakeService):
         wanted = self.rule(tokens)
         tokens.append(wanted)
         return VerifyReply(Verdict(accepted, wanted), len(tokens), self.instance_id,
-                           self.compute_s + self.row_s * len(proposal.tokens), await self._wait(), self.batch_size,
+                           self._took(self.compute_s + self.row_s * len(proposal.tokens)), await self._wait(), self.batch_size,
                            confidence=tuple(sure) if self.confidence else ())
 
 

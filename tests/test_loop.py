@@ -16,7 +16,7 @@ from specd.policy import Estimates, PolicyConfig, PolicyState
 from specd.session import Fenced
 from specd.stopping import StopRules
 from specd.validation import InvalidParams
-from tests.fakes import FakeDrafter, FakeStore, FakeVerifier, draft_rule, target_alone, target_rule
+from tests.fakes import FakeDrafter, FakeStore, FakeVerifier, VirtualClock, draft_rule, target_alone, target_rule
 
 PROMPT = (3, 1, 4, 1, 5)
 
@@ -184,6 +184,22 @@ def test_time_queued_behind_other_sessions_is_not_counted_as_network_overhead(wa
     policy = done.session.policy
     assert (policy.estimates.rtt_s < 0.01) == wait_is_queue
     assert (policy.fallbacks == 0) == wait_is_queue
+
+
+def test_the_services_clock_times_the_calls_so_the_policy_learns_a_virtual_round_trip():
+    clock = VirtualClock()
+    drafter = FakeDrafter(draft_rule(100), compute_s=0.015, clock=clock, rpc_s=0.002)
+    verifier = FakeVerifier(target_rule, compute_s=0.03, clock=clock, rpc_s=0.002)
+    services = Services(drafter, verifier, FakeStore(), clock=clock)
+
+    async def collect():
+        return [e async for e in generate(GenerationRequest(PROMPT, StopRules(20), SamplingParams()), "s", services,
+                                          decode)]
+
+    done = asyncio.run(collect())[-1]
+    assert done.session.policy.estimates.rtt_s == pytest.approx(0.002)
+    assert clock.now == pytest.approx(0.002 * (drafter.calls + verifier.calls) + done.stats.draft_compute_s
+                                      + done.stats.verify_compute_s)
 
 
 class LoadedVerifier(FakeVerifier):

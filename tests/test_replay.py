@@ -33,3 +33,13 @@ def test_a_pinned_k_replays_at_that_k_beside_the_adaptive_policy():
     _, drafts = replay(traces[0], HostCosts(), fixed_k=2)
     assert 2 * 40 <= drafts <= 2 * 43  # two a round (the last may draft fewer): a draft always right, ~42 rounds
     assert pinned["classes"]["code"]["mean"] != by_class(traces, HostCosts())["classes"]["code"]["mean"]
+
+
+def test_a_trace_with_its_token_ids_lets_the_model_free_drafter_copy_what_the_output_repeats():
+    body = [100 + (i * 37) % 500 for i in range(128)]  # no n-gram repeats within it
+    copying = {"name": "edit", "kind": "edit", "prompt_tokens": 130, "prompt": [1, 2, *body], "output": body,
+               "agree": [0] * 128, "confidence": [0.9] * 128}  # the draft model is always wrong
+    hybrid_speedup, model_drafts = replay(copying, HostCosts())
+    made_up_ids, _ = replay({k: v for k, v in copying.items() if k not in ("prompt", "output")}, HostCosts())
+    assert hybrid_speedup > 2.0 and model_drafts < 8
+    assert 0.85 <= made_up_ids < 1.0  # the draft model tried: its catch-up on the prompt and a few rounds
