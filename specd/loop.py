@@ -536,6 +536,7 @@ def _observation(k: int, accepted: int, drafting: _Called | None, verifying: _Ca
         verify_s=verifying.reply.compute_s,
         rtt_s=sum(c.overhead_s for c in calls) / len(calls),
         draft_cold=bool(drafting and drafting.cold),
+        draft_sent=drafting.sent if drafting else 0,
         target_cold=verifying.cold,
         target_shared=verifying.reply.batch_size > 1,
         batch_size=verifying.reply.batch_size,

@@ -43,8 +43,10 @@ def test_every_k_up_to_max_k_is_priced_by_its_own_rounds():
 
 def test_the_calibrated_prior_measures_timings_but_not_acceptance():
     rounds = [RoundObservation(k, 0, 0.05 * k, 0.4 + 0.04 * k, 0.002) for k in calibration_ks(CONFIG)]
-    rounds.append(RoundObservation(2, 0, 9.0, 9.0, 0.002, draft_cold=True, target_cold=True))  # a catch-up: left out
+    # a draft catching up on 100 tokens: left out of the step, and its time beyond two steps a token of a catch-up
+    rounds.append(RoundObservation(2, 0, 9.0, 9.0, 0.002, draft_cold=True, target_cold=True, draft_sent=100))
     est = calibrated(rounds).estimates
+    assert est.catch_up_s == pytest.approx((9.0 - 2 * 0.05) / 100)
     assert dict(est.verify_s) == pytest.approx({k: 0.4 + 0.04 * k for k in range(17)})
     assert est.calibrated_s == est.verify_s  # kept apart: learning moves verify_s only
     assert est.draft_step_s == pytest.approx(0.05) and est.rtt_s == pytest.approx(0.002)

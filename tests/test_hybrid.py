@@ -77,7 +77,7 @@ def test_where_the_model_free_drafter_takes_rounds_the_catch_up_is_shared_by_few
     the model then drafts the rest, not when the model-free drafter would take every other round (the
     catch-up then serves the half of them that the draft model drafts)."""
     good = replace(MEASURED, alpha=0.9)
-    offering = replace(good, free_offers=8.0, offer_rounds=16.0)
+    offering = replace(good, free_offer_tokens=8.0, offered_tokens=16.0)
     assert offering.free_offer_rate == 0.5
     assert hybrid.choose(hybrid.AUTO, good, CONFIG, 4, [], lag=40, remaining=30) == (hybrid.MODEL, 4)
     assert hybrid.choose(hybrid.AUTO, offering, CONFIG, 4, [], lag=40, remaining=30) == (hybrid.NONE, 0)
@@ -88,6 +88,16 @@ def test_where_the_model_free_drafter_takes_rounds_the_catch_up_is_shared_by_few
     assert 1 / hybrid.model_rate(offering, CONFIG, 4, 40, 30) == pytest.approx(round_s + catch_up * e / (30 * 0.5) / e)
 
 
+def test_a_cold_draft_call_teaches_what_a_catch_up_costs_a_token_and_waking_the_draft_model_is_priced_by_it():
+    guessed = hybrid.catch_up_time(MEASURED, CONFIG, 200)  # nothing timed: the step grown as the target's pass grows
+    cold = RoundObservation(k=4, accepted=4, draft_s=4 * 0.015 + 200 * 0.004, verify_s=0.046, rtt_s=0.002,
+                            draft_cold=True, draft_sent=200)
+    state = observe(PolicyState(estimates=MEASURED, drafted_last_round=True), cold, CONFIG)
+    assert state.estimates.catch_up_s == pytest.approx(0.004) and state.estimates.draft_step_s == MEASURED.draft_step_s
+    assert hybrid.catch_up_time(state.estimates, CONFIG, 200) == pytest.approx(0.8) != pytest.approx(guessed)
+    assert hybrid.catch_up_time(replace(state.estimates, batch=3.0), CONFIG, 200) == pytest.approx(2.4)
+
+
 def test_a_round_counts_for_the_model_free_drafter_when_it_would_beat_the_caught_up_draft_model():
     good = replace(MEASURED, alpha=0.9)
     assert hybrid.free_offered(good, CONFIG, [1.0] * 8, 4)
@@ -96,12 +106,17 @@ def test_a_round_counts_for_the_model_free_drafter_when_it_would_beat_the_caught
     assert not hybrid.free_offered(good, CONFIG, [], 4)
 
 
-def test_the_share_of_rounds_the_model_free_drafter_takes_is_learnt_over_decaying_counts_per_session():
+def test_the_share_of_tokens_the_model_free_drafter_takes_is_learnt_over_decaying_counts_per_session():
     est, obs = Estimates(), RoundObservation(k=0, accepted=0, draft_s=0.0, verify_s=0.03, rtt_s=0.002)
     for offered in (True, True, False, True):
         est = learn_offer(est, replace(obs, free_offered=offered), CONFIG.alpha_window)
-    assert 0.7 < est.free_offer_rate < 0.8 and est.offer_rounds < 4
+    assert 0.7 < est.free_offer_rate < 0.8 and est.offered_tokens < 4
     assert learn_offer(est, obs, CONFIG.alpha_window) == est  # the two were not weighed
+    # one round that copied 11 tokens outweighs three one-token rounds it would not have taken
+    copied = learn_offer(Estimates(), replace(obs, k=12, accepted=10, free_offered=True), CONFIG.alpha_window)
+    for _ in range(3):
+        copied = learn_offer(copied, replace(obs, free_offered=False), CONFIG.alpha_window)
+    assert 0.75 < copied.free_offer_rate < 0.8
     assert inherit(PolicyState(estimates=est)).estimates.free_offer_rate == 0.0  # another request's text
 
 
@@ -201,9 +216,9 @@ def test_a_long_prompts_catch_up_is_paid_once_not_again_after_each_model_free_ro
     """A 200-token lag, 400 tokens to go, and the model-free drafter taking 3 rounds in 10: the draft
     model catches up once (0.41 s over the request) and then lags only the model-free rounds' own
     tokens, not the prompt again; at α = 0.9 it pays."""
-    good = replace(MEASURED, alpha=0.9, free_offers=3.0, offer_rounds=10.0)
+    good = replace(MEASURED, alpha=0.9, free_offer_tokens=3.0, offered_tokens=10.0)
     assert hybrid.choose(hybrid.AUTO, good, CONFIG, 4, [], lag=200, remaining=400) == (hybrid.MODEL, 4)
-    often = replace(good, free_offers=9.0)  # it would take 9 in 10: each model round re-catches up on many
+    often = replace(good, free_offer_tokens=9.0)  # it would take 9 in 10: each model round re-catches up on many
     assert hybrid.model_rate(often, CONFIG, 4, 200, 400) < hybrid.model_rate(good, CONFIG, 4, 200, 400)
 
 def sometimes(share: float):

@@ -64,6 +64,7 @@ class RoundObservation:
     verify_s: float  # target service compute for the round
     rtt_s: float  # per-RPC overhead (wall - compute), averaged over the round's RPCs
     draft_cold: bool = False  # the draft processed more than this round's tokens (prefill, catch-up)
+    draft_sent: int = 0  # committed tokens the draft caught up on before drafting (its sync)
     target_cold: bool = False  # the target did: its verify_s is not a decode step
     target_shared: bool = False  # other sessions' verifications shared the target's pass: verify_s timed theirs too
     batch_size: int = 1  # sessions in the target's pass
@@ -79,6 +80,7 @@ class RoundObservation:
 class Estimates:
     alpha: float = 0.7  # per-draft-token acceptance rate (prior until measured)
     draft_step_s: float | None = None  # draft compute per drafted token
+    catch_up_s: float | None = None  # the draft's pass a token of a catch-up (a cold call's; None: not timed yet)
     # target compute of a pass, by its positions - 1: K for a session alone (K = 0: a plain step); a shared
     # pass of R positions counts as K = R - 1 (specd/policy/cost.py prices a round by the pass it joins)
     verify_s: tuple[tuple[int, float], ...] = ()
@@ -97,8 +99,10 @@ class Estimates:
     judged: int = 0  # drafts the target judged in this session (not decayed, not inherited)
     free_accepted: float = 0.0  # decayed count of accepted model-free drafts (specd/policy/hybrid.py)
     free_expected: float = 0.0  # decayed sum of those drafts' scores: what the drafter expected
-    free_offers: float = 0.0  # decayed count of rounds the model-free drafter would take from a caught-up draft model
-    offer_rounds: float = 0.0  # decayed count of rounds it was weighed (this session's: not inherited)
+    # decayed counts of the tokens committed in rounds the model-free drafter would take from a caught-up
+    # draft model, and in all rounds it was weighed (this session's: not inherited)
+    free_offer_tokens: float = 0.0
+    offered_tokens: float = 0.0
     confidence_accepted: float = 0.0  # decayed count of accepted drafts at positions whose target confidence was reported
     confidence_expected: float = 0.0  # decayed sum of the target's confidence at those drafts' positions
     batch: float = 1.0  # sessions sharing the target's passes (up at once, down by EWMA): a round is priced as a pass of them all
@@ -123,8 +127,10 @@ class Estimates:
 
     @property
     def free_offer_rate(self) -> float:
-        """P: the share of rounds the model-free drafter would take from a caught-up draft model."""
-        return self.free_offers / self.offer_rounds if self.offer_rounds > 0 else 0.0
+        """P: the share of committed tokens that came in rounds the model-free drafter would take from a
+        caught-up draft model: what is left for the draft model to serve (and repay its catch-up with)
+        is the rest of the tokens, not of the rounds (one round that copies a line commits many)."""
+        return self.free_offer_tokens / self.offered_tokens if self.offered_tokens > 0 else 0.0
 
 
 def _calibration(accepted: float, expected: float) -> float:

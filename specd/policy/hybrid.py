@@ -126,8 +126,8 @@ def model_rate(est: Estimates, config: PolicyConfig, k: int, lag: int, remaining
     """Tokens a second of the draft model at K, its catch-up included: a draft that lacks more than
     the round's own tokens (a new prompt, rounds another drafter took) first runs a pass over them,
     paid once and shared by the rounds it then serves, E(α, K) tokens each: the 1 - P of what is
-    left of the request that the model-free drafter would not take (P: the share of rounds it would
-    take from a caught-up draft model). After a round it takes, the draft model lags only that
+    left of the request that the model-free drafter would not take (P: the share of the tokens
+    committed in rounds it would take from a caught-up draft model). After a round it takes, the draft model lags only that
     round's tokens, a catch-up priced when it comes. `exit_s`: as `choose`'s; `alpha`: in place of
     the learnt α (the timings stay the estimates' own, derived once)."""
     tokens = expected_tokens(est.alpha if alpha is None else alpha, k)
@@ -145,9 +145,13 @@ def catch_up_share(est: Estimates, config: PolicyConfig, tokens: float, lag: int
 
 def catch_up_time(est: Estimates, config: PolicyConfig, lag: int) -> float:
     """The draft's pass over `lag` tokens, priced as the pass it joins (cost.verify_time's rule):
-    B sessions that each catch up as much, its one-position step grown to B·lag positions; where the
-    draft contends for the target's compute, at least its own pass held by all B (cost.round_time)."""
+    B sessions that each catch up as much, B·lag positions at the rate a cold draft call showed a
+    token (`Estimates.catch_up_s`). Before one was timed, its one-position step grown to B·lag
+    positions as the target's pass grows; where the draft contends for the target's compute, at
+    least its own pass held by all B (cost.round_time)."""
     batch = batch_sessions(est)
+    if est.catch_up_s is not None:  # timed: a prefill costs about its tokens, however the passes hold them
+        return est.catch_up_s * batch * lag
     alike = grown(est, est.draft_step_s, 1, batch * lag)
     return max(alike, batch * grown(est, est.draft_step_s, 1, lag)) if config.draft_contends else alike
 

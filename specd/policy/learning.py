@@ -30,6 +30,10 @@ def learn(
             batched = learn_verify(batched, obs.batch_size, step, w)
         else:
             draft_step = _timed(draft_step, step, w)
+    catch_up = est.catch_up_s
+    if obs.k > 0 and obs.draft_cold and obs.draft_sent > 0 and draft_step is not None:
+        # a cold call's time beyond its steps, a token: what waking a draft model that lags costs
+        catch_up = _timed(catch_up, max(0.0, obs.draft_s - obs.k * draft_step) / obs.draft_sent, w)
     rtt, stream = est.rtt_s, est.stream_s
     if obs.streamed:  # no call of its own: what a plain token costs beyond its pass where stretches stream
         stream = _timed(stream, obs.rtt_s, w)
@@ -43,7 +47,8 @@ def learn(
             call = _timed(call, obs.wall_s, w)
     est = learn_calibration(learn_offer(learn_pass(est, obs, w, target_cold), obs, config.alpha_window), obs, judged,
                             config.alpha_window)
-    return replace(est, alpha=alpha, draft_step_s=draft_step, draft_batched=batched, rtt_s=rtt, stream_s=stream,
+    return replace(est, alpha=alpha, draft_step_s=draft_step, draft_batched=batched, catch_up_s=catch_up, rtt_s=rtt,
+                   stream_s=stream,
                    plain_call_s=call, plain_streamed_s=streamed,
                    observations=est.observations + 1, accepted_count=accepted_count, tested_count=tested_count,
                    judged=est.judged + judged)
@@ -68,12 +73,14 @@ def learn_pass(est: Estimates, obs: RoundObservation, w: float, target_cold: boo
 
 
 def learn_offer(est: Estimates, obs: RoundObservation, window: int) -> Estimates:
-    """Whether the model-free drafter would have taken the round from a caught-up draft model, over
-    counts that decay as α's (`hybrid.model_rate` shares a catch-up by it)."""
+    """Whether the model-free drafter would have taken the round from a caught-up draft model, counted
+    in the tokens the round committed, over counts that decay as α's (`hybrid.model_rate` shares a
+    catch-up by it)."""
     if obs.free_offered is None:
         return est
-    return replace(est, free_offers=decayed(est.free_offers, obs.free_offered, window),
-                   offer_rounds=decayed(est.offer_rounds, 1, window))
+    committed = obs.accepted + 1
+    return replace(est, free_offer_tokens=decayed(est.free_offer_tokens, obs.free_offered * committed, window),
+                   offered_tokens=decayed(est.offered_tokens, committed, window))
 
 
 def learn_text(est: Estimates, obs: RoundObservation, window: int) -> Estimates:
@@ -157,15 +164,17 @@ def calibration_ks(config: PolicyConfig) -> tuple[int, ...]:
 
 def calibrated(rounds: Sequence[RoundObservation]) -> PolicyState:
     """The prior of a fresh deployment from timed rounds (`calibration_ks`, perhaps each more than
-    once): verify(K), the draft step and the RTT, each the fastest measured (noise only ever adds
-    time); acceptance left at the prior. A cold service's timing (it caught up on more than the
-    round's tokens) is left out."""
+    once): verify(K), the draft step, the draft's catch-up a token and the RTT, each the fastest
+    measured (noise only ever adds time); acceptance left at the prior. A cold service's timing (it
+    caught up on more than the round's tokens) is left out, but for the catch-up it times."""
     verify: dict[int, float] = {}
     for obs in rounds:
         if not obs.target_cold:
             verify[obs.k] = min(verify.get(obs.k, math.inf), obs.verify_s)
-    steps = [o.draft_s / o.k for o in rounds if o.k > 0 and not o.draft_cold]
+    step = min((o.draft_s / o.k for o in rounds if o.k > 0 and not o.draft_cold), default=None)
+    catch_ups = [max(0.0, o.draft_s - o.k * step) / o.draft_sent for o in rounds
+                 if step is not None and o.k > 0 and o.draft_cold and o.draft_sent > 0]
     table = tuple(sorted(verify.items()))
-    estimates = Estimates(draft_step_s=min(steps, default=None), verify_s=table, calibrated_s=table,
-                          rtt_s=min((o.rtt_s for o in rounds), default=0.0))
+    estimates = Estimates(draft_step_s=step, catch_up_s=min(catch_ups, default=None), verify_s=table,
+                          calibrated_s=table, rtt_s=min((o.rtt_s for o in rounds), default=0.0))
     return PolicyState(estimates=estimates)

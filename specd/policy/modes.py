@@ -29,8 +29,8 @@ def inherit(prior: PolicyState) -> PolicyState:
     probe the session follows the schedule the deployment had reached."""
     est = prior.estimates
     weight = min(est.tested_count, PRIOR_DRAFTS) or PRIOR_DRAFTS
-    est = replace(est, accepted_count=est.alpha * weight, tested_count=weight, judged=0, free_offers=0.0,
-                  offer_rounds=0.0)
+    est = replace(est, accepted_count=est.alpha * weight, tested_count=weight, judged=0, free_offer_tokens=0.0,
+                  offered_tokens=0.0)
     return PolicyState(
         mode=prior.mode,
         k=prior.k,
