@@ -99,7 +99,7 @@ def _calibrated(costs: HostCosts) -> PolicyState:
     """What start-up calibration would measure on such a host (acceptance left at the prior)."""
     verify = tuple((k, costs.target_step + costs.row * k) for k in range(17))
     return PolicyState(estimates=Estimates(draft_step_s=costs.draft_step, catch_up_s=costs.catch_up, rtt_s=costs.call,
-                                           verify_s=verify))
+                                           verify_s=verify, calibrated_s=verify))
 
 
 def by_class(traces: list[dict], costs: HostCosts, fixed_k: int | None = None, drafter: str = hybrid.AUTO) -> dict:

@@ -363,9 +363,9 @@ async def _draft(turn: _Turn, state: SessionState, k: int) -> tuple[_Called | No
     if not services.outage.drafting(services.drafter):
         return None, True
     try:
-        return await asyncio.wait_for(_call(services.clock, state.draft, state.tokens, lambda s: services.drafter.propose(
-            ProposeRequest(turn.session_id, s, k, request.params, min_confidence=_min_confidence(request))
-        )), services.outage.timeout_s), False
+        proposing = _call(services.clock, state.draft, state.tokens, lambda s: services.drafter.propose(
+            ProposeRequest(turn.session_id, s, k, request.params, min_confidence=_min_confidence(request))))
+        return await asyncio.wait_for(proposing, services.outage.timeout_s), False
     except (ServiceUnavailable, TimeoutError) as error:
         services.outage.lost(error)
         return None, True
