@@ -484,7 +484,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--audit-rate", default="0", help="the coordinator's lossless audit (default 0 here: its "
                         "background re-decodes would share the cores with the requests being timed)")
     parser.add_argument("--target-quantize", help="the target's numerics: none | auto (default: specd up's)")
-    parser.add_argument("--draft-quantize", help="the draft's numerics: none | int8 | auto (default: specd up's)")
+    parser.add_argument("--draft-quantize", help="the draft's numerics: none | int8 | auto | q4_0 (default: specd up's)")
     parser.add_argument("--llama-server", type=Path, help="llama.cpp's llama-server binary (../shared/tools/"
                         "build-llama-server): run it plain and speculative on the same GGUF files, side by side")
     parser.add_argument("--prompts", type=Path, default=PROMPTS, help="prompt set (benchmarks/prompts.json; "

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
-from specd import fused, gguf_model, kernels, numerics, ragged
+from specd import fused, gguf_model, kernels, numerics, quants, ragged
 from specd.contracts import ContextTooLong, EngineError, PositionMismatch, SessionsFull  # noqa: F401 (raised here)
 from specd.validation import InvalidParams
 
@@ -93,12 +93,13 @@ class ModelEngine:
 
     def _load_gguf(self, config: EngineConfig) -> None:
         """The file's weights as stored, run by specd's decoder (specd/gguf_model.py)."""
-        if config.quantize not in ("none", "auto"):
+        if config.quantize not in ("none", "auto", "q4_0"):
             raise ValueError(f"quantize={config.quantize!r} applies to a Hugging Face checkpoint; a GGUF file is "
-                             "served as stored (quantize none or auto)")
+                             "served as stored (quantize none or auto; a draft's may run q4_0)")
         if torch.device(config.device).type != "cpu":
             raise ValueError("a GGUF file runs on the CPU decoder; serve a Hugging Face directory on other devices")
-        self._native = gguf_model.GGUFModel(config.model_dir, head_vocab=config.head_vocab)
+        requantize = quants.Q4_0 if config.quantize == "q4_0" else None  # a draft's: fewer bytes a step
+        self._native = gguf_model.GGUFModel(config.model_dir, head_vocab=config.head_vocab, requantize=requantize)
         self.numerics = numerics.check_native(self._native)
         self.hf_config = None
         self._new_cache = self._native.new_cache
@@ -110,6 +111,9 @@ class ModelEngine:
     def _load_hf(self, config: EngineConfig) -> None:
         """A Hugging Face directory: its dense weights through the stock modules (int8: a draft's option)."""
         on_cpu = torch.device(config.device).type == "cpu"
+        if config.quantize == "q4_0":
+            raise ValueError("quantize='q4_0' requantizes a GGUF file's block-32 weights; a Hugging Face checkpoint "
+                             "runs none, auto or int8")
         if config.quantize == "int8" and not on_cpu:
             raise ValueError("quantize='int8' is a CPU option")
         hf_config = AutoConfig.from_pretrained(config.model_dir)

@@ -55,10 +55,12 @@ class _Row(ctypes.Structure):
 class GGUFModel:
     """The decoder of a GGUF file: `forward(caches, inputs, keep)` as `ragged.forward`."""
 
-    def __init__(self, path: Path | str, march: str | None = None, head_vocab: int = 0):
+    def __init__(self, path: Path | str, march: str | None = None, head_vocab: int = 0,
+                 requantize: int | None = None):
         """`head_vocab` > 0: the output layer scores only the first that many token ids and the special
         ones (`head_ids`); the rest get -inf. A draft's option: a token it cannot propose is a rejection,
-        never a wrong output, and its step skips most of the vocabulary's rows."""
+        never a wrong output, and its step skips most of the vocabulary's rows. `requantize` (a draft's
+        option too, `quants.Q4_0`): the linears stored in a larger block-32 type run in that one."""
         self.path = Path(path)
         self.meta = gguf_meta.read(self.path)
         self._file = np.memmap(self.path, dtype=np.uint8, mode="r")  # the weights: read where they lie
@@ -71,6 +73,7 @@ class GGUFModel:
         march = march or native.default_march()
         self._library = _declare(native.library(march))
         self._march, self._packed = march, []  # the linears' repacked weights (quants.repack), kept alive here
+        self._requantize = requantize
         self._layers = (_Layer * self.hp.layers)(*(self._layer(i) for i in range(self.hp.layers)))
         embed = self._linear("token_embd.weight", pack=False)  # looked up by rows, as stored
         stored_out = self._tensor("output.weight", optional=True)  # None: tied to the embedding
@@ -146,12 +149,27 @@ class GGUFModel:
         scales, multiplied faster at several rows), when this build has them for its type. `stored`: the
         tensor's file bytes, then no longer read: their pages leave the process (RSS stays near the
         file's size, not twice it)."""
-        buffer = quants.repack(linear, self._march, torch.get_num_threads())
+        packing, rows = self._smaller(linear)
+        buffer = quants.repack(packing, self._march, torch.get_num_threads())
         if buffer is not None:
             self._packed.append(buffer)
             if stored is not None:
                 _drop_pages(self._file, stored.offset, stored.nbytes)
-        return linear
+            if rows is not None:  # the kernels read the panels only: the new rows go, `data` stays non-null
+                packing.data = linear.data
+        elif rows is not None:
+            self._packed.append(rows)  # no panels for the type here: the kernels read these rows
+        return packing
+
+    def _smaller(self, linear: Linear) -> tuple[Linear, np.ndarray | None]:
+        """linear in the `requantize` type and its new rows, or as it is (None) when its type is not
+        one of the larger block-32 ones (`quants.REQUANTIZABLE`)."""
+        if self._requantize is None or linear.type not in quants.REQUANTIZABLE:
+            return linear, None
+        row = quants.quant_type(linear.type).row_bytes(linear.K)
+        stored = np.frombuffer((ctypes.c_uint8 * (linear.N * row)).from_address(linear.data), np.uint8)
+        rows = quants.requantize(stored, linear.type, linear.N, linear.K, self._requantize)
+        return Linear(rows.ctypes.data, self._requantize, linear.N, linear.K, linear.bias), rows
 
     def _rows_of(self, linear: Linear, ids: torch.Tensor, stored: gguf_meta.TensorInfo | None) -> Linear:
         """The linear of only the output rows `ids`: their stored bytes gathered, then packed; the

@@ -53,6 +53,20 @@ REGISTRY: dict[int, QuantType] = {
 }
 
 
+# A draft may run its larger block-32 weights as Q4_0 (`requantize`, `--quantize q4_0`): fewer bytes a
+# step, and its numbers change acceptance only. A target's weights never change.
+Q4_0 = int(_Q.Q4_0)
+REQUANTIZABLE = frozenset({int(_Q.Q5_0), int(_Q.Q8_0)})
+
+
+def requantize(raw: np.ndarray, ggml_type: int, N: int, K: int, to: int) -> np.ndarray:
+    """The N rows of K values stored as `ggml_type`, requantized to `to` by gguf's numpy reference
+    quantiser (llama.cpp's `quantize_row_*_ref`): their bytes, [N, row_bytes]."""
+    rows = np.ascontiguousarray(raw).view(np.uint8).reshape(N, quant_type(ggml_type).row_bytes(K))
+    values = gguf_quants.dequantize(rows, GGMLQuantizationType(int(ggml_type)))
+    return np.ascontiguousarray(gguf_quants.quantize(values, GGMLQuantizationType(int(to))))
+
+
 class UnsupportedTensorType(ValueError):
     """A tensor stored in a type specd has no kernel for."""
 

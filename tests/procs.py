@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services import cli, up
 from services.common.redis_server import free_port
-from services.protogen.specd.v1 import coordinator_pb2_grpc
+from services.protogen.specd.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[1]
 READY_TIMEOUT_S = 120.0
@@ -75,6 +75,22 @@ class ServiceProcess:
 def stub(proc: ServiceProcess) -> coordinator_pb2_grpc.CoordinatorStub:
     """A coordinator process's client."""
     return coordinator_pb2_grpc.CoordinatorStub(grpc.insecure_channel(proc.address))
+
+
+def drafted_as_plain(coord: ServiceProcess) -> int:
+    """Greedy speculation at K = 4 with the draft model gives plain decoding's tokens on two prompts
+    (asserted); the drafts accepted, which say the draft took part."""
+    accepted = 0
+    for prompt in ("def add(a, b):", "Once upon a time"):
+        def complete(**fields) -> coordinator_pb2.CompleteResponse:
+            request = coordinator_pb2.GenerateRequest(text=prompt, max_tokens=40, ignore_eos=True, **fields)
+            return stub(coord).Complete(request, timeout=120)
+
+        plain = list(complete(speculation=False).token_ids)
+        fixed = complete(num_draft_tokens=4, drafter="model")
+        assert list(fixed.token_ids) == plain
+        accepted += fixed.stats.accepted_tokens
+    return accepted
 
 
 def model_service(

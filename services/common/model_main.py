@@ -20,10 +20,11 @@ from services.common.worker import DEFAULT_MAX_BATCH, Batching, SharedCores
 log = logging.getLogger(__name__)
 QUANTIZE_HELP = {
     "target": "the weights it runs (specd/numerics.py): none or auto (a GGUF file as stored, batch-invariant: a "
-              "verification equals plain steps bit for bit; a Hugging Face checkpoint's dense weights); int8 is "
-              "refused (a draft's)",
+              "verification equals plain steps bit for bit; a Hugging Face checkpoint's dense weights); int8 and "
+              "q4_0 are refused (a draft's)",
     "draft": "the weights it runs (specd/numerics.py): none or auto (a GGUF file as stored; a Hugging Face "
-             "checkpoint's dense weights), int8 (a Hugging Face checkpoint in dynamic int8; CPU); a draft's "
+             "checkpoint's dense weights), int8 (a Hugging Face checkpoint in dynamic int8; CPU), q4_0 (a GGUF "
+             "file's Q5_0 and Q8_0 weights requantized to Q4_0 at load: fewer bytes a step); a draft's "
              "numerics change acceptance only",
 }
 

@@ -43,7 +43,7 @@ def add_switch(parser: argparse.ArgumentParser, flag: str, *, help: str = "") ->
 
 # The weights a model service runs (specd/numerics.py's MODES; this module imports no torch):
 # every default in one place.
-QUANTIZE_MODES = ("none", "int8", "auto")
+QUANTIZE_MODES = ("none", "int8", "auto", "q4_0")
 # A GGUF draft's output layer scores the first this many token ids and the special ones (0: all): on the
 # Qwen pair's 151 936 ids a draft step 0.89x the time, and the draft's greedy agreement with the target
 # unchanged on the repo's prompts (benchmarks/results/head_vocab.json).
@@ -72,4 +72,7 @@ def check_quantize(role: str, mode: str) -> str:
             "verification rows would depend on the rows beside them and greedy output would no longer be "
             "the target's own; start the target with none or auto"
         )
+    if role == "target" and mode == "q4_0":
+        raise ValueError("quantize q4_0 is a draft-only setting: a target serves its file's weights as stored, "
+                         "so the output is that model's; start the target with none or auto")
     return mode
