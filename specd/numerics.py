@@ -21,7 +21,7 @@ import torch
 
 from specd import kernels
 
-MODES = ("none", "int8", "auto")
+MODES = ("none", "int8", "auto", "q4_0")  # q4_0: a GGUF draft's (gguf_model.GGUFModel requantize)
 CHECK_ROWS = (2, 3, 5, 9, 16)  # row counts whose every row must equal the one-row result
 log = logging.getLogger(__name__)
 
