@@ -166,17 +166,13 @@ class GGUFModel:
         one of the larger block-32 ones (`quants.REQUANTIZABLE`)."""
         if self._requantize is None or linear.type not in quants.REQUANTIZABLE:
             return linear, None
-        row = quants.quant_type(linear.type).row_bytes(linear.K)
-        stored = np.frombuffer((ctypes.c_uint8 * (linear.N * row)).from_address(linear.data), np.uint8)
-        rows = quants.requantize(stored, linear.type, linear.N, linear.K, self._requantize)
+        rows = quants.requantize(_stored_rows(linear), linear.type, linear.N, linear.K, self._requantize)
         return Linear(rows.ctypes.data, self._requantize, linear.N, linear.K, linear.bias), rows
 
     def _rows_of(self, linear: Linear, ids: torch.Tensor, stored: gguf_meta.TensorInfo | None) -> Linear:
         """The linear of only the output rows `ids`: their stored bytes gathered, then packed; the
         file's pages of `stored` (an output layer of its own) then leave the process."""
-        row = quants.quant_type(linear.type).row_bytes(linear.K)
-        weight = np.frombuffer((ctypes.c_uint8 * (linear.N * row)).from_address(linear.data), np.uint8)
-        rows = np.ascontiguousarray(weight.reshape(linear.N, row)[ids.numpy()])
+        rows = np.ascontiguousarray(_stored_rows(linear)[ids.numpy()])
         self._packed.append(rows)  # kept alive: the linear points into it
         if stored is not None:
             _drop_pages(self._file, stored.offset, stored.nbytes)
@@ -267,6 +263,12 @@ def head_ids(meta: gguf_meta.Metadata, vocab: int, head_vocab: int) -> torch.Ten
     types = meta.get("tokenizer.ggml.token_type") or []
     special = {i for i, t in enumerate(types[:vocab]) if t in SPECIAL_TOKEN_TYPES} | gguf_meta.eog_ids(meta)
     return torch.tensor(sorted(set(range(head_vocab)) | {i for i in special if i < vocab}), dtype=torch.int64)
+
+
+def _stored_rows(linear: Linear) -> np.ndarray:
+    """The bytes `linear.data` points at, one row of its type a row: [N, row bytes] (a view, no copy)."""
+    row = quants.quant_type(linear.type).row_bytes(linear.K)
+    return np.frombuffer((ctypes.c_uint8 * (linear.N * row)).from_address(linear.data), np.uint8).reshape(linear.N, row)
 
 
 def _drop_pages(file: np.memmap, offset: int, nbytes: int) -> None:

@@ -128,8 +128,8 @@ def model_rate(est: Estimates, config: PolicyConfig, k: int, lag: int, remaining
     paid once and shared by the rounds it then serves, E(α, K) tokens each: the 1 - P of what is
     left of the request that the model-free drafter would not take (P: the share of the tokens
     committed in rounds it would take from a caught-up draft model). After a round it takes, the
-    draft model lags only that round's tokens, a catch-up priced when it comes. `exit_s`: as `choose`'s; `alpha`: in place of
-    the learnt α (the timings stay the estimates' own, derived once)."""
+    draft model lags only that round's tokens, a catch-up priced when it comes. `exit_s`: as
+    `choose`'s; `alpha`: in place of the learnt α (the timings stay the estimates' own, derived once)."""
     tokens = expected_tokens(est.alpha if alpha is None else alpha, k)
     return tokens / (round_time(est, config, k) + catch_up_share(est, config, tokens, lag, remaining) + exit_s)
 
