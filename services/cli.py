@@ -157,7 +157,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"unrecognized arguments: {' '.join(passed)}")
     for role in ("draft", "target") if args.command in ("up", "serve-ray") else ():
         try:
-            settings.check_quantize(role, getattr(args, f"{role}_quantize"))
+            if (mode := getattr(args, f"{role}_quantize")) is not None:
+                settings.check_quantize(role, mode)
         except ValueError as error:
             subcommand(parser, args.command).error(str(error))
     if args.command == "up":
@@ -196,8 +197,10 @@ def _add_edge_hosts(command: argparse.ArgumentParser) -> None:
 
 def _add_quantize(command: argparse.ArgumentParser) -> None:
     for role, default in settings.LAUNCH_QUANTIZE.items():
-        settings.add(command, f"--{role}-quantize", default=default, choices=settings.QUANTIZE_MODES,
-                     help=f"the {role}'s weights (python -m services.{role} --help)")
+        gguf = settings.LAUNCH_QUANTIZE_GGUF[role]
+        settings.add(command, f"--{role}-quantize", choices=settings.QUANTIZE_MODES,
+                     help=f"the {role}'s weights (python -m services.{role} --help; unset: {gguf} for a GGUF file, "
+                          f"{default} for a Hugging Face directory)")
 
 
 def cmd_fetch(args: argparse.Namespace) -> int:
@@ -298,8 +301,9 @@ def cmd_serve_ray(args: argparse.Namespace) -> int:
         serve.start(http_options={"host": "127.0.0.1", "port": args.http_port})
         stack.callback(serve.shutdown)
         app = build_app({"target_model": str(paths["target"]), "draft_model": str(paths["draft"]),
-                         "redis_url": redis_url, "draft_quantize": args.draft_quantize,
-                         "target_quantize": args.target_quantize})
+                         "redis_url": redis_url,
+                         **{f"{role}_quantize": settings.launch_quantize(role, getattr(args, f"{role}_quantize"), path)
+                            for role, path in paths.items()}})
         serve.run(app, name="specd", route_prefix="/")
         print(f"specd (Ray Serve) is up: http://127.0.0.1:{args.http_port}/v1", flush=True)
         stopped = threading.Event()

@@ -174,7 +174,7 @@ def without_password(url: str) -> str:
 
 def _model_service(args: argparse.Namespace, role: str, model: Path, port: int) -> list[str]:
     cmd = ["-m", f"services.{role}", "--model", str(model), "--host", args.host]
-    cmd += ["--port", str(port), "--quantize", getattr(args, f"{role}_quantize")]
+    cmd += ["--port", str(port), "--quantize", settings.launch_quantize(role, getattr(args, f"{role}_quantize"), model)]
     threads = getattr(args, f"{role}_threads")
     return cmd + (["--threads", str(threads)] if threads else [])
 

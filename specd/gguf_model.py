@@ -108,6 +108,11 @@ class GGUFModel:
         """Bytes of the weights as stored (what serving them maps)."""
         return sum(t.nbytes for t in self._tensors.values())
 
+    @property
+    def held_bytes(self) -> int:
+        """Bytes held beside the file's mapping: repacked panels, requantized or gathered rows."""
+        return sum(buffer.nbytes for buffer in self._packed)
+
     def _tensor(self, name: str, optional: bool = False) -> gguf_meta.TensorInfo | None:
         tensor = self._tensors.get(name)
         if tensor is None and not optional:
@@ -173,10 +178,14 @@ class GGUFModel:
         """The linear of only the output rows `ids`: their stored bytes gathered, then packed; the
         file's pages of `stored` (an output layer of its own) then leave the process."""
         rows = np.ascontiguousarray(_stored_rows(linear)[ids.numpy()])
-        self._packed.append(rows)  # kept alive: the linear points into it
+        gathered = self._pack(Linear(rows.ctypes.data, linear.type, len(ids), linear.K, None))
+        if gathered.packed:  # the kernels read the panels only: the rows go, `data` stays non-null
+            gathered.data = linear.data
+        elif gathered.data == rows.ctypes.data:
+            self._packed.append(rows)  # no panels for the type here: the kernels read these rows
         if stored is not None:
             _drop_pages(self._file, stored.offset, stored.nbytes)
-        return self._pack(Linear(rows.ctypes.data, linear.type, len(ids), linear.K, None))
+        return gathered
 
     def _layer(self, i: int) -> _Layer:
         t = lambda role: f"blk.{i}.{role}.weight"  # noqa: E731

@@ -126,14 +126,15 @@ def specd(argv: list[str]) -> int:
     return exit.value.code
 
 
-def up_commands(monkeypatch, *argv: str) -> dict[str, list[str]]:
-    """The service command lines `specd up` would start with these flags."""
+def up_commands(monkeypatch, *argv: str, models: tuple[str, str] = ("d", "t")) -> dict[str, list[str]]:
+    """The service command lines `specd up` would start with these flags, on these (draft, target) models."""
     parsed = []
     monkeypatch.setattr(cli, "cmd_up", lambda args: parsed.append(args) or 0)
     with pytest.raises(SystemExit):
         cli.main(["up", *argv])
     args = parsed[0]
-    return up.commands(args, {"draft": Path("d"), "target": Path("t")}, None, up.tls_dir_of(args, Path(".")))
+    paths = {"draft": Path(models[0]), "target": Path(models[1])}
+    return up.commands(args, paths, None, up.tls_dir_of(args, Path(".")))
 
 
 def value(command: list[str], flag: str) -> str:

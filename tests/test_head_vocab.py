@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 
+from specd import native
 from specd.contracts import ProposeRequest, SamplingParams, SyncPoint
 from specd.draft_engine import DraftEngine
 from specd.engine import EngineConfig, ModelEngine
@@ -81,3 +82,15 @@ def test_a_negative_head_is_refused_at_start(capsys):
     with pytest.raises(SystemExit):
         model_main.parse("draft", 1, ["--model-dir", "m", "--head-vocab", "-1", "--insecure"])
     assert "head vocabulary must be >= 0" in capsys.readouterr().err
+
+
+def test_a_packed_heads_gathered_rows_are_not_kept(tiny):
+    """The kernels read a packed head's panels only: the rows gathered to pack it are let go, so a
+    draft's head costs its panels and no more (the full head costs its panels alone too)."""
+    full, pruned = GGUFModel(tiny), GGUFModel(tiny, head_vocab=HEAD)
+    tensors = full.meta.tensors
+    head = tensors.get("output.weight") or tensors["token_embd.weight"]
+    K, N = head.dims
+    panels = native.library(native.default_march()).specd_repack_bytes
+    assert panels(head.ggml_type, N, K) > 0  # the test means something: this build packs the head
+    assert full.held_bytes - pruned.held_bytes == panels(head.ggml_type, N, K) - panels(head.ggml_type, len(pruned.head_ids), K)

@@ -149,9 +149,11 @@ def test_specd_up_runs_without_a_draft_model_and_always_with_a_target(monkeypatc
 def test_specd_up_passes_each_roles_quantize_with_the_defaults_in_one_place(monkeypatch):
     assert settings.QUANTIZE_MODES == numerics.MODES  # the torch-free copy
     assert model_main.parse("target", 1, ["--model-dir", "m"]).quantize == settings.SERVICE_QUANTIZE == "none"
-    commands = up_commands(monkeypatch)
-    assert {role: value(commands[f"{role}-0"], "--quantize") for role in ("draft", "target")} == settings.LAUNCH_QUANTIZE
-    assert settings.LAUNCH_QUANTIZE == {"draft": "auto", "target": "auto"}
+    quantize = lambda commands: {role: value(commands[f"{role}-0"], "--quantize") for role in ("draft", "target")}  # noqa: E731
+    assert quantize(up_commands(monkeypatch)) == settings.LAUNCH_QUANTIZE == {"draft": "auto", "target": "auto"}
+    gguf = up_commands(monkeypatch, models=("draft.gguf", "target.gguf"))  # a GGUF draft runs as Q4_0
+    assert quantize(gguf) == settings.LAUNCH_QUANTIZE_GGUF == {"draft": "q4_0", "target": "auto"}
+    assert quantize(up_commands(monkeypatch, "--draft-quantize", "auto", models=("d.gguf", "t.gguf")))["draft"] == "auto"
     commands = up_commands(monkeypatch, "--target-quantize", "none", "--draft-quantize", "int8")
     assert (value(commands["target-0"], "--quantize"), value(commands["draft-0"], "--quantize")) == ("none", "int8")
     monkeypatch.setenv("SPECD_TARGET_QUANTIZE", "none")

@@ -2,7 +2,7 @@
 
 import pytest
 
-from benchmarks.replay import HostCosts, by_class, replay
+from benchmarks.replay import HostCosts, by_class, ceiling, ceilings, replay
 
 
 def trace(name: str, kind: str, agree: int, confidence: float) -> dict:
@@ -43,3 +43,17 @@ def test_a_trace_with_its_token_ids_lets_the_model_free_drafter_copy_what_the_ou
     made_up_ids, _ = replay({k: v for k, v in copying.items() if k not in ("prompt", "output")}, HostCosts())
     assert hybrid_speedup > 2.0 and model_drafts < 8
     assert 0.85 <= made_up_ids < 1.0  # the draft model tried: its catch-up on the prompt and a few rounds
+
+
+def test_the_ceiling_is_plain_where_nothing_helps_and_bounds_every_policy_where_something_does():
+    body = [100 + (i * 37) % 500 for i in range(128)]  # no token repeats within it
+    nothing = {"name": "n", "kind": "prose", "prompt_tokens": 2, "prompt": [1, 2], "output": body,
+               "agree": [0] * 128, "confidence": [0.3] * 128}
+    copying = {**nothing, "prompt_tokens": 130, "prompt": [1, 2, *body]}
+    drafted = trace("code", "code", 1, 0.95)
+    assert ceiling(nothing, HostCosts()) == pytest.approx(1.0)
+    for t in (copying, drafted):
+        bound = ceiling(t, HostCosts())
+        assert bound > 1.5
+        assert all(replay(t, HostCosts(), fixed_k=k)[0] <= bound for k in (None, 2, 4, 8))
+    assert ceilings([copying, drafted], HostCosts())["prose"]["mean"] == round(ceiling(copying, HostCosts()), 3)

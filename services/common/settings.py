@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 
 
 def env_name(flag: str) -> str:
@@ -51,8 +52,17 @@ DRAFT_HEAD_VOCAB = 98304
 NO_DRAFT = "none"  # the coordinator's --draft-addr for a deployment with no draft model
 SERVICE_QUANTIZE = "none"  # `python -m services.draft|target` and Ray's build_app: the checkpoint's weights
 # What `specd up` and `specd serve-ray` start each with: a GGUF file as stored, a Hugging Face
-# checkpoint's dense weights, each with its batch-invariance self-check (specd/numerics.py).
+# checkpoint's dense weights, each with its batch-invariance self-check (specd/numerics.py)...
 LAUNCH_QUANTIZE = {"draft": "auto", "target": "auto"}
+# ...but a GGUF draft's Q5_0 / Q8_0 linears run as Q4_0: on the fetched pair a step 0.76x the time at a
+# greedy agreement 1-4 % lower, adaptive +11 % on code and chat in the replay and +3-15 % by class in
+# the benches but -5 % on quoting (benchmarks/README.md, "A Q4_0 draft"). A draft never changes the output.
+LAUNCH_QUANTIZE_GGUF = {"draft": "q4_0", "target": "auto"}
+
+
+def launch_quantize(role: str, mode: str | None, model: Path) -> str:
+    """What `specd up` starts `role` with: `mode` if one was given, else its default for `model`'s kind."""
+    return mode or (LAUNCH_QUANTIZE_GGUF if model.suffix == ".gguf" else LAUNCH_QUANTIZE)[role]
 
 
 def check_head_vocab(ids: int) -> int:
