@@ -10,16 +10,18 @@ import sys
 
 import pytest
 
+from services.common.settings import DRAFT_HEAD_VOCAB
 from services.models import is_ready, model_path
 from tests.tiny_gguf import write_tiny
 
 PROBE = """
 import json, sys, torch
+from specd import quants
 from specd.gguf_model import GGUFModel
 def rss():
     return int(next(l for l in open('/proc/self/status') if l.startswith('VmRSS')).split()[1]) * 1024
 before = rss()
-model = GGUFModel(sys.argv[1])
+model = GGUFModel(sys.argv[1], head_vocab=int(sys.argv[2]), requantize=quants.Q4_0 if sys.argv[3] == "q4_0" else None)
 cache = model.new_cache()
 model.forward([cache], [[1, 2, 3, 4, 5, 6, 7, 8]], [1])
 model.forward([cache], [[9]], [1])
@@ -27,8 +29,9 @@ print(json.dumps({"grown": rss() - before, "kv": cache.nbytes, "weights": model.
 """
 
 
-def grown(path) -> dict:
-    done = subprocess.run([sys.executable, "-c", PROBE, str(path)], capture_output=True, text=True, timeout=600)
+def grown(path, head_vocab: int = 0, quantize: str = "auto") -> dict:
+    done = subprocess.run([sys.executable, "-c", PROBE, str(path), str(head_vocab), quantize], capture_output=True,
+                          text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout)
 
@@ -51,3 +54,14 @@ def test_the_real_target_grows_the_process_by_about_its_file_size():
     measured = grown(model_path("target"))
     size = model_path("target").stat().st_size
     assert measured["grown"] < 1.1 * size + measured["kv"] + 100 * 2**20, measured
+
+
+@pytest.mark.real
+def test_the_real_draft_as_q4_0_grows_the_process_by_less_than_as_stored():
+    """Requantizing at load makes and drops float32 and Q4_0 temporaries: the heap they leave must go
+    back to the system, or a smaller draft would take more memory than the file as stored."""
+    if not is_ready("draft"):
+        pytest.fail("the real draft is not fetched: run `specd models fetch` (scripts/test does)")
+    stored = grown(model_path("draft"), DRAFT_HEAD_VOCAB)
+    q4_0 = grown(model_path("draft"), DRAFT_HEAD_VOCAB, "q4_0")
+    assert q4_0["grown"] < 0.9 * stored["grown"], (q4_0, stored)
