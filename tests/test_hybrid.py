@@ -73,19 +73,32 @@ def test_the_draft_models_catch_up_is_priced_over_what_is_left_of_the_request():
 
 
 def test_where_the_model_free_drafter_takes_rounds_the_catch_up_is_shared_by_fewer():
-    """A 40-token lag (rounds the model-free drafter took) with 30 tokens to go: worth catching up when
+    """A 40-token lag (rounds the model-free drafter took) with 45 tokens to go: worth catching up when
     the model then drafts the rest, not when the model-free drafter would take every other round (the
     catch-up then serves the half of them that the draft model drafts)."""
     good = replace(MEASURED, alpha=0.9)
     offering = replace(good, free_offer_tokens=8.0, offered_tokens=16.0)
     assert offering.free_offer_rate == 0.5
-    assert hybrid.choose(hybrid.AUTO, good, CONFIG, 4, [], lag=40, remaining=30) == (hybrid.MODEL, 4)
-    assert hybrid.choose(hybrid.AUTO, offering, CONFIG, 4, [], lag=40, remaining=30) == (hybrid.NONE, 0)
-    assert hybrid.choose(hybrid.AUTO, offering, CONFIG, 4, [], lag=2, remaining=30) == (hybrid.MODEL, 4)  # caught up
+    assert hybrid.choose(hybrid.AUTO, good, CONFIG, 4, [], lag=40, remaining=45) == (hybrid.MODEL, 4)
+    assert hybrid.choose(hybrid.AUTO, offering, CONFIG, 4, [], lag=40, remaining=45) == (hybrid.NONE, 0)
+    assert hybrid.choose(hybrid.AUTO, offering, CONFIG, 4, [], lag=2, remaining=45) == (hybrid.MODEL, 4)  # caught up
     catch_up = hybrid.catch_up_time(good, CONFIG, 40)
-    round_s = 1 / hybrid.model_rate(good, CONFIG, 4, 2, 30)
+    round_s = 1 / hybrid.model_rate(good, CONFIG, 4, 2, 45)
     e = hybrid.expected_tokens(0.9, 4)
-    assert 1 / hybrid.model_rate(offering, CONFIG, 4, 40, 30) == pytest.approx(round_s + catch_up * e / (30 * 0.5) / e)
+    assert 1 / hybrid.model_rate(offering, CONFIG, 4, 40, 45) == pytest.approx(
+        round_s + hybrid.CATCH_UP_RISK * catch_up * e / (45 * 0.5) / e)
+
+
+def test_a_wake_must_repay_more_than_its_catch_ups_time():
+    """A catch-up is paid before the tokens that repay it, which α and P only predict: a wake over a
+    200-token lag that would pay at the catch-up's time alone, but not at CATCH_UP_RISK times it, is
+    declined; the same text wakes the draft model over a short lag."""
+    good = replace(MEASURED, alpha=0.85, free_offer_tokens=4.0, offered_tokens=10.0)
+    e = hybrid.expected_tokens(0.85, 4)
+    at_its_time = e / (cost.round_time(good, CONFIG, 4) + hybrid.catch_up_time(good, CONFIG, 200) * e / (300 * 0.6))
+    assert at_its_time > 1 / cost.plain_time(good)
+    assert hybrid.choose(hybrid.AUTO, good, CONFIG, 4, [], lag=200, remaining=300) == (hybrid.NONE, 0)
+    assert hybrid.choose(hybrid.AUTO, good, CONFIG, 4, [], lag=20, remaining=300) == (hybrid.MODEL, 4)
 
 
 def test_a_cold_draft_call_teaches_what_a_catch_up_costs_a_token_and_waking_the_draft_model_is_priced_by_it():

@@ -27,6 +27,11 @@ AUTO, MODEL, FREE, NONE = "auto", "model", "ngram", "none"
 DRAFTERS = (AUTO, MODEL, FREE, NONE)
 UNMEASURED_MIN_EXPECTED = 1.0  # before timings exist, a model-free draft is used when it expects a token
 CAUGHT_UP = 2  # committed tokens a draft lacks at a normal round: the last round's accepted tail and its new token
+# A catch-up is priced at this many times its time: it is paid before the tokens that repay it, which α and P
+# only predict (a model-free drafter's copy takes the text's easy stretches). Replayed at the stored and the
+# Q4_0 draft's costs and the AVX2 host's: quote +5 % with the Q4_0 draft, edit +3 % with the stored one,
+# edit -1 % with the Q4_0 one, the rest within ±1 % (1.5: quote +2 %; 2: chat -1.4 % on AVX2).
+CATCH_UP_RISK = 1.75
 
 
 def free_expected(est: Estimates, scores: Sequence[float], m: int) -> float:
@@ -136,11 +141,12 @@ def model_rate(est: Estimates, config: PolicyConfig, k: int, lag: int, remaining
 
 def catch_up_share(est: Estimates, config: PolicyConfig, tokens: float, lag: int, remaining: int) -> float:
     """A round's share of the draft's catch-up over `lag` tokens (none for a normal round's lag): the
-    round's `tokens` of the draft model's part of what is left of the request (`model_rate`)."""
+    round's `tokens` of the draft model's part of what is left of the request (`model_rate`), the
+    catch-up priced at CATCH_UP_RISK times its time."""
     if lag <= CAUGHT_UP:
         return 0.0
     served = max(remaining * (1.0 - est.free_offer_rate), 1.0)
-    return catch_up_time(est, config, lag) * min(1.0, tokens / served)
+    return CATCH_UP_RISK * catch_up_time(est, config, lag) * min(1.0, tokens / served)
 
 
 def catch_up_time(est: Estimates, config: PolicyConfig, lag: int) -> float:
