@@ -55,8 +55,8 @@ SERVICE_QUANTIZE = "none"  # `python -m services.draft|target` and Ray's build_a
 # checkpoint's dense weights, each with its batch-invariance self-check (specd/numerics.py)...
 LAUNCH_QUANTIZE = {"draft": "auto", "target": "auto"}
 # ...but a GGUF draft's Q5_0 / Q8_0 linears run as Q4_0: on the fetched pair a step 0.76x the time at a
-# greedy agreement 1-4 % lower, adaptive +11 % on code and chat in the replay and +3-15 % by class in
-# the benches but -5 % on quoting (benchmarks/README.md, "A Q4_0 draft"). A draft never changes the output.
+# greedy agreement 1-4 % lower, adaptive +11 % on code and chat in the replay, the rest within 2 %
+# (benchmarks/README.md, "A Q4_0 draft"). A draft never changes the output.
 LAUNCH_QUANTIZE_GGUF = {"draft": "q4_0", "target": "auto"}
 
 
