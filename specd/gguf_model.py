@@ -14,7 +14,6 @@ compute it (see decoder.c), so a verification's rows equal plain steps bit for b
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import math
 import mmap
 from collections.abc import Sequence
@@ -151,21 +150,24 @@ class GGUFModel:
         linear = Linear(self._address(tensor), tensor.ggml_type, N, K, b)
         return self._pack(linear, tensor) if pack else linear
 
-    def _pack(self, linear: Linear, stored: gguf_meta.TensorInfo | None = None) -> Linear:
+    def _pack(self, linear: Linear, stored: gguf_meta.TensorInfo | None = None, gathered: np.ndarray | None = None,
+              home: int | None = None) -> Linear:
         """linear with its weight repacked into column panels (specd/csrc/quants.c: the same integers and
         scales, multiplied faster at several rows), when this build has them for its type. `stored`: the
         tensor's file bytes, then no longer read: their pages leave the process (RSS stays near the
-        file's size, not twice it)."""
+        file's size, not twice it). `gathered`: the rows `linear.data` points into when this model made
+        them rather than the file, `home` where in the file they came from. Only the bytes the kernels
+        read stay: the panels, else requantized rows, else the gathered ones; with panels, `data` points
+        into the file (non-null, not read)."""
         packing, rows = self._smaller(linear)
         buffer = quants.repack(packing, self._march, torch.get_num_threads())
+        read = buffer if buffer is not None else rows if rows is not None else gathered
+        if read is not None:
+            self._packed.append(read)
         if buffer is not None:
-            self._packed.append(buffer)
             if stored is not None:
                 _drop_pages(self._file, stored.offset, stored.nbytes)
-            if rows is not None:  # the kernels read the panels only: the new rows go, `data` stays non-null
-                packing.data = linear.data
-        elif rows is not None:
-            self._packed.append(rows)  # no panels for the type here: the kernels read these rows
+            packing.data = linear.data if home is None else home
         return packing
 
     def _smaller(self, linear: Linear) -> tuple[Linear, np.ndarray | None]:
@@ -180,14 +182,10 @@ class GGUFModel:
         """The linear of only the output rows `ids`: their stored bytes gathered, then packed; the
         file's pages of `stored` (an output layer of its own) then leave the process."""
         rows = np.ascontiguousarray(_stored_rows(linear)[ids.numpy()])
-        gathered = self._pack(Linear(rows.ctypes.data, linear.type, len(ids), linear.K, None))
-        if gathered.packed:  # the kernels read the panels only: the rows go, `data` stays non-null
-            gathered.data = linear.data
-        elif gathered.data == rows.ctypes.data:
-            self._packed.append(rows)  # no panels for the type here: the kernels read these rows
         if stored is not None:
             _drop_pages(self._file, stored.offset, stored.nbytes)
-        return gathered
+        head = Linear(rows.ctypes.data, linear.type, len(ids), linear.K, None)
+        return self._pack(head, gathered=rows, home=linear.data)
 
     def _layer(self, i: int) -> _Layer:
         t = lambda role: f"blk.{i}.{role}.weight"  # noqa: E731
@@ -285,8 +283,7 @@ def _stored_rows(linear: Linear) -> np.ndarray:
 def _return_freed_heap() -> None:
     """Give the heap that loading freed back to the system: glibc keeps freed blocks for reuse, and a
     Q4_0 draft's requantizing temporaries otherwise stay in its RSS (~190 MB of the fetched draft's)."""
-    libc = ctypes.util.find_library("c")
-    trim = getattr(ctypes.CDLL(libc), "malloc_trim", None) if libc else None
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)  # the process's own symbols: glibc's, where it is glibc
     if trim is not None:
         trim(0)
 
