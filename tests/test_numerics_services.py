@@ -17,6 +17,7 @@ from services.common import compute, model_main, settings
 from services.common.metrics import exposition
 from services.protogen.specd.v1 import common_pb2, coordinator_pb2, draft_pb2_grpc, target_pb2_grpc
 from tests.procs import up_commands, value
+from tests.tiny_gguf import write_tiny
 from tests.cluster import Cluster
 
 PROMPTS = [
@@ -146,14 +147,15 @@ def test_specd_up_runs_without_a_draft_model_and_always_with_a_target(monkeypatc
     assert "target replicas must be >= 1" in capsys.readouterr().err
 
 
-def test_specd_up_passes_each_roles_quantize_with_the_defaults_in_one_place(monkeypatch):
+def test_specd_up_passes_each_roles_quantize_with_the_defaults_in_one_place(monkeypatch, tmp_path):
     assert settings.QUANTIZE_MODES == numerics.MODES  # the torch-free copy
     assert model_main.parse("target", 1, ["--model-dir", "m"]).quantize == settings.SERVICE_QUANTIZE == "none"
     quantize = lambda commands: {role: value(commands[f"{role}-0"], "--quantize") for role in ("draft", "target")}  # noqa: E731
     assert quantize(up_commands(monkeypatch)) == settings.LAUNCH_QUANTIZE == {"draft": "auto", "target": "auto"}
-    gguf = up_commands(monkeypatch, models=("draft.gguf", "target.gguf"))  # a GGUF draft runs as Q4_0
+    files = tuple(str(write_tiny(tmp_path / f"{role}.gguf", "qwen2", "Q4_K")) for role in ("draft", "target"))
+    gguf = up_commands(monkeypatch, models=files)  # a GGUF draft runs as Q4_0
     assert quantize(gguf) == settings.LAUNCH_QUANTIZE_GGUF == {"draft": "q4_0", "target": "auto"}
-    assert quantize(up_commands(monkeypatch, "--draft-quantize", "auto", models=("d.gguf", "t.gguf")))["draft"] == "auto"
+    assert quantize(up_commands(monkeypatch, "--draft-quantize", "auto", models=files))["draft"] == "auto"
     commands = up_commands(monkeypatch, "--target-quantize", "none", "--draft-quantize", "int8")
     assert (value(commands["target-0"], "--quantize"), value(commands["draft-0"], "--quantize")) == ("none", "int8")
     monkeypatch.setenv("SPECD_TARGET_QUANTIZE", "none")

@@ -61,8 +61,13 @@ LAUNCH_QUANTIZE_GGUF = {"draft": "q4_0", "target": "auto"}
 
 
 def launch_quantize(role: str, mode: str | None, model: Path) -> str:
-    """What `specd up` starts `role` with: `mode` if one was given, else its default for `model`'s kind."""
-    return mode or (LAUNCH_QUANTIZE_GGUF if model.suffix == ".gguf" else LAUNCH_QUANTIZE)[role]
+    """What `specd up` starts `role` with: `mode` if one was given, else its default for `model`'s kind,
+    told as the engine tells it (a GGUF file by its magic, whatever its name)."""
+    if mode:
+        return mode
+    from specd.gguf_meta import is_gguf  # torch-free, as this module
+
+    return (LAUNCH_QUANTIZE_GGUF if is_gguf(model) else LAUNCH_QUANTIZE)[role]
 
 
 def check_head_vocab(ids: int) -> int:
