@@ -139,8 +139,10 @@ def _copy_runs(prompt: Sequence[int], output: Sequence[int]) -> list[int]:
     for at in range(start, len(tokens)):
         best = 0
         for j in range(1, at):
+            if tokens[j - 1] != tokens[at - 1]:
+                continue
             run = 0
-            while tokens[j - 1] == tokens[at - 1] and at + run < len(tokens) and tokens[j + run] == tokens[at + run]:
+            while at + run < len(tokens) and tokens[j + run] == tokens[at + run]:
                 run += 1
             best = max(best, run)
         runs.append(best)

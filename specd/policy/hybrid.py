@@ -28,9 +28,7 @@ DRAFTERS = (AUTO, MODEL, FREE, NONE)
 UNMEASURED_MIN_EXPECTED = 1.0  # before timings exist, a model-free draft is used when it expects a token
 CAUGHT_UP = 2  # committed tokens a draft lacks at a normal round: the last round's accepted tail and its new token
 # A catch-up is priced at this many times its time: it is paid before the tokens that repay it, which α and P
-# only predict (a model-free drafter's copy takes the text's easy stretches). Replayed at the stored and the
-# Q4_0 draft's costs and the AVX2 host's: quote +5 % with the Q4_0 draft, edit +3 % with the stored one,
-# edit -1 % with the Q4_0 one, the rest within ±1 % (1.5: quote +2 %; 2: chat -1.4 % on AVX2).
+# only predict (replayed figures: docs/policy.md).
 CATCH_UP_RISK = 1.75
 
 
