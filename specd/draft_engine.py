@@ -18,7 +18,7 @@ import torch
 from specd import sparse
 from specd.contracts import DraftReply, Proposal, ProposeRequest, SparseDist
 from specd.role_engine import RoleEngine, checked_then_together
-from specd.sampling import sample, uniforms, warp
+from specd.sampling import sample, top1, uniforms, warp
 
 DRAFT_STREAM = "draft"
 
@@ -85,8 +85,8 @@ class DraftEngine(RoleEngine):
         """The draft after `last` ([1, vocab] logits), its q row when sampled, and its probability
         under the draft (1.0 when greedy and nobody asks)."""
         if request.params.greedy:
-            token = int(last.argmax())
-            return token, None, float(torch.softmax(last[0], -1)[token]) if request.min_confidence else 1.0
+            (token,), (p_token,) = top1(last)
+            return token, None, p_token if request.min_confidence else 1.0
         row = sparse.encode(warp(last, request.params)[0])
         q = sparse.decode(row, self.engine.vocab_size)  # [vocab]
         token = sample(q, u)  # from the decoded row: exactly the q the target will verify against

@@ -46,6 +46,15 @@ def available() -> str | None:
     return None
 
 
+@lru_cache(maxsize=1)
+def loaded() -> ctypes.CDLL | None:
+    """This host's library, or None where it cannot be built (callers then take torch's path)."""
+    try:
+        return library(default_march())
+    except (OSError, RuntimeError):
+        return None
+
+
 def cache_dir() -> Path:
     env = os.environ.get("SPECD_KERNEL_CACHE")
     return Path(env).expanduser() if env else Path.home() / ".cache" / "specd" / "kernels"
@@ -127,6 +136,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "specd_dequantize_rows": ([ctypes.POINTER(Linear), pointer, size, pointer], None),
         "specd_repack_bytes": ([size, size, size], size),
         "specd_repack": ([ctypes.POINTER(Linear), pointer, ctypes.c_int], None),
+        "specd_top1": ([pointer, size, size, pointer, pointer], None),
     }
     for name, (args, result) in signatures.items():
         function = getattr(lib, name)

@@ -13,7 +13,24 @@ from typing import Sequence
 
 import torch
 
+from specd import native
 from specd.contracts import SamplingParams  # re-exported: the wire type lives in specd/contracts.py
+
+
+def top1(logits: torch.Tensor) -> tuple[list[int], list[float]]:
+    """Each row's greedy token and its probability (logits: [rows, vocab]): torch.argmax's choice (the
+    first greatest; a NaN counts as greatest) and exp(max - logsumexp), without a softmax over the
+    vocabulary. One pass of specd's C library over float32 rows (torch's reductions take 3-10x as long
+    over a 152k vocabulary), torch's where there is none."""
+    lib = native.loaded()
+    if lib is None or logits.dtype != torch.float32:
+        values, tokens = logits.max(-1)
+        return tokens.tolist(), (values - logits.logsumexp(-1)).exp().tolist()
+    rows = logits.contiguous()
+    tokens = torch.empty(rows.shape[0], dtype=torch.int64)
+    sums = torch.empty(rows.shape[0], dtype=torch.float64)
+    lib.specd_top1(rows.data_ptr(), rows.shape[0], rows.shape[1], tokens.data_ptr(), sums.data_ptr())
+    return tokens.tolist(), (1.0 / sums).tolist()
 
 
 def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -18,7 +18,7 @@ import torch
 from specd import sparse
 from specd.contracts import Proposal, VerifyReply, VerifyRequest
 from specd.role_engine import RoleEngine, checked_then_together
-from specd.sampling import uniforms, warp
+from specd.sampling import top1, uniforms, warp
 from specd.verify import verify, verify_greedy
 from specd.validation import InvalidParams
 
@@ -59,8 +59,9 @@ class TargetEngine(RoleEngine):
         n, drafts, params = request.sync.end, request.proposal.tokens, request.params
         K = len(drafts)
         if q is None:
-            verdict = verify_greedy(drafts, logits)
-            sure = confidence(logits[: verdict.num_accepted + 1])
+            tokens, top_p = top1(logits)
+            verdict = verify_greedy(drafts, tokens)
+            sure = tuple(top_p[: verdict.num_accepted + 1])
         else:
             p = warp(logits, params)  # [K+1, vocab]
             u_accept = uniforms(params.seed, ACCEPT_STREAM, range(n, n + K))
@@ -70,13 +71,6 @@ class TargetEngine(RoleEngine):
         # Rollback is bookkeeping: keep the accepted prefix, append the recovered/bonus token.
         position = self.engine.sync(request.session_id, n, verdict.committed(drafts))
         return VerifyReply(verdict, position, self.engine.instance_id, confidence=sure)
-
-
-def confidence(logits: torch.Tensor) -> tuple[float, ...]:
-    """The probability of each row's most likely token (logits: [rows, vocab]): exp(max - logsumexp),
-    without a softmax over the vocabulary."""
-    rows = logits.float()
-    return tuple((rows.amax(-1) - rows.logsumexp(-1)).exp().tolist())
 
 
 def _dense_q(proposal: Proposal, vocab_size: int) -> torch.Tensor:

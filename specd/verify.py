@@ -15,9 +15,9 @@ from specd.contracts import Verdict  # re-exported: the wire types live in specd
 from specd.sampling import sample
 
 
-def verify_greedy(draft_tokens: Sequence[int], p_logits: torch.Tensor) -> Verdict:
-    """Accept drafts while they equal the target's argmax. p_logits: [K+1, vocab]."""
-    target_tokens = p_logits.argmax(-1).tolist()  # [K+1]
+def verify_greedy(draft_tokens: Sequence[int], target_tokens: Sequence[int]) -> Verdict:
+    """Accept drafts while they equal the target's argmax. draft_tokens: [K]; target_tokens: [K+1],
+    the target's argmax after each prefix."""
     num_accepted = 0
     for drafted, wanted in zip(draft_tokens, target_tokens):
         if drafted != wanted:

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from specd import sparse
-from specd.sampling import SamplingParams, warp
+from specd import native, sparse
+from specd.sampling import SamplingParams, top1, warp
 from specd.validation import InvalidParams
 
 
@@ -15,6 +15,31 @@ def test_warp_temperature_top_k_top_p():
     assert torch.allclose(nucleus, torch.tensor([[0.5, 0.2, 0.15, 0, 0]]) / 0.85)
     sharp = warp(logits, SamplingParams(temperature=0.5))
     assert sharp[0, 0] > 0.5 and torch.allclose(sharp.sum(), torch.tensor(1.0))
+
+
+def _rows_with_ties_and_nans() -> torch.Tensor:
+    """Rows a 152k vocabulary's logits can hold: ties for the maximum (the first wins), a NaN (it wins,
+    the first of two), a head's -inf fill, and a vocabulary not a multiple of the vector width."""
+    torch.manual_seed(0)
+    rows = torch.randn(5, 151_937) * 4
+    rows[0, [9, 70_000, 151_936]] = 30.0
+    rows[1, [151_930, 151_936]] = 30.0  # a tie inside the last, partial vector and after it
+    rows[2, [40, 90_000]] = float("nan")
+    rows[3, 1000:] = float("-inf")
+    return rows
+
+
+def test_top1_is_torch_argmax_and_its_softmax_probability():
+    if native.loaded() is None:
+        pytest.fail(f"specd's C library does not build here: {native.available()}")
+    rows = _rows_with_ties_and_nans()
+    tokens, p = top1(rows)  # the C library's pass
+    assert tokens == rows.argmax(-1).tolist() == [9, 151_930, 40, int(rows[3, :1000].argmax()), int(rows[4].argmax())]
+    want = torch.softmax(rows.double(), -1).amax(-1)
+    assert torch.allclose(torch.tensor(p, dtype=torch.float64)[[0, 1, 3, 4]], want[[0, 1, 3, 4]], rtol=1e-5)
+    assert torch.tensor(p)[2].isnan()
+    torch_tokens, torch_p = top1(rows.double())  # torch's path: the same choice
+    assert torch_tokens == tokens and torch.allclose(torch.tensor(torch_p, dtype=torch.float64)[[0, 1, 3, 4]], want[[0, 1, 3, 4]])
 
 
 @pytest.mark.parametrize(

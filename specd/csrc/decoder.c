@@ -355,3 +355,64 @@ void specd_forward(const gg_model *m, const int64_t *tokens, int64_t R, const gg
     acts_free(&a);
     free(hidden), free(h), free(y), free(qkv), free(att), free(gate_up), free(mid);
 }
+
+/* The index of the first greatest value of x [n] (a NaN counts as greatest: torch.argmax's rule). */
+static int64_t first_max(const float *x, int64_t n, float *best)
+{
+    __m256 m = _mm256_set1_ps(-INFINITY), nan = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 v = _mm256_loadu_ps(x + i);
+        m = _mm256_max_ps(m, v);
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, m);
+    float top = lanes[0];
+    for (int j = 1; j < 8; j++) top = lanes[j] > top ? lanes[j] : top;
+    int any_nan = _mm256_movemask_ps(nan) != 0;
+    for (; i < n; i++) {
+        any_nan |= x[i] != x[i];
+        top = x[i] > top ? x[i] : top;
+    }
+    i = 0;
+    if (!any_nan) {  /* the first lane equal to the maximum, 8 at a time */
+        const __m256 t = _mm256_set1_ps(top);
+        for (; i + 8 <= n; i += 8) {
+            const int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), t, _CMP_EQ_OQ));
+            if (hit) {
+                *best = top;
+                return i + __builtin_ctz(hit);
+            }
+        }
+    }
+    for (; i < n; i++)
+        if (any_nan ? x[i] != x[i] : x[i] == top) break;
+    *best = x[i < n ? i : 0];
+    return i < n ? i : 0;
+}
+
+/* Each row of x [rows, n]: the first index of its greatest value, and sum_j e^(x_j - max) in double,
+ * whose inverse is the row's softmax probability of that token (greedy decoding's choice and how
+ * sure the model was, without a softmax over the vocabulary). */
+void specd_top1(const float *x, int64_t rows, int64_t n, int64_t *argmax, double *sum_exp)
+{
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = x + r * n;
+        float top;
+        argmax[r] = first_max(row, n, &top);
+        const __m256 shift = _mm256_set1_ps(top);
+        __m256d lo = _mm256_setzero_pd(), hi = lo;
+        int64_t i = 0;
+        for (; i + 8 <= n; i += 8) {
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(row + i), shift));
+            lo = _mm256_add_pd(lo, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
+            hi = _mm256_add_pd(hi, _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
+        }
+        double lanes[4], total = 0.0;
+        _mm256_storeu_pd(lanes, _mm256_add_pd(lo, hi));
+        for (int j = 0; j < 4; j++) total += lanes[j];
+        for (; i < n; i++) total += expf(row[i] - top);
+        sum_exp[r] = total;
+    }
+}
