@@ -83,8 +83,11 @@ def replay(trace: dict, costs: HostCosts, tokens: int = TOKENS, fixed_k: int | N
 
     records: list[RoundRecord] = []
     clock = VirtualClock()  # the policy times the calls as the charges below add up
+    draft_confidence = trace.get("draft_confidence")  # the draft's probability of its own token (None: always sure)
     services = Services(FakeDrafter(draft, compute_s=costs.draft_step, catch_up_s=costs.catch_up, rides_along=2,
-                                    clock=clock, rpc_s=costs.call),
+                                    clock=clock, rpc_s=costs.call,
+                                    confidence=(lambda prefix: at(prefix, draft_confidence)) if draft_confidence
+                                    else lambda prefix: 1.0),
                         FakeVerifier(target, compute_s=costs.target_step, row_s=costs.row,
                                      confidence=lambda prefix: at(prefix, confidence), clock=clock, rpc_s=costs.call),
                         FakeStore(learned=_calibrated(costs)), clock=clock,
@@ -191,6 +194,7 @@ def record(tokens: int = TOKENS, draft_quantize: str = "auto") -> list[dict]:
     from services.models import model_path
     from specd import quants
     from specd.gguf_model import GGUFModel
+    from specd.sampling import top1
 
     requantize = quants.Q4_0 if draft_quantize == "q4_0" else None
     draft = GGUFModel(model_path("draft"), head_vocab=DRAFT_HEAD_VOCAB, requantize=requantize)  # as the service scores
@@ -206,9 +210,11 @@ def record(tokens: int = TOKENS, draft_quantize: str = "auto") -> list[dict]:
                 sure.append(round(float(p.max()), 4))
                 logits = target.forward([cache], [[out[-1]]], [1])[0]
             guesses = draft.forward([draft.new_cache()], [list(prompt.token_ids) + out[:-1]], [len(out)])[0]
-            agree = [int(a) for a in (guesses.argmax(-1) == torch.tensor(out)).tolist()]
+            drafted, draft_sure = top1(guesses)
+            agree = [int(a == b) for a, b in zip(drafted, out)]
             traces.append({"name": prompt.name, "kind": prompt.kind, "prompt_tokens": len(prompt.token_ids),
-                           "confidence": sure, "agree": agree, "prompt": list(prompt.token_ids), "output": out})
+                           "confidence": sure, "agree": agree, "draft_confidence": [round(p, 4) for p in draft_sure],
+                           "prompt": list(prompt.token_ids), "output": out})
             print(f"{prompt.name:16s} {prompt.kind:6s} agreement {sum(agree) / len(agree):.3f}", flush=True)
     return traces
 

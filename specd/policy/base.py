@@ -36,8 +36,10 @@ class PolicyConfig:
     probe_max: int = 512
     smoothing: float = 0.3  # EWMA weight of a new observation (timings)
     alpha_window: int = 16  # rounds of evidence behind α (its counts decay by 1 - 1/alpha_window a round)
-    min_confidence: float = 0.4  # confidence stop: drafting ends after a draft with q(token) below this (0: off),
-    # as transformers' assisted generation's default
+    # confidence stop: drafting ends after a draft with q(token) below this (0: off). Past such a draft the
+    # next one's chance to count is too small for its step and row (docs/design.md: the draft's recorded
+    # confidence replayed; transformers' assisted generation stops at 0.4)
+    min_confidence: float = 0.7
     draft_contends: bool = False  # the draft computes on what the target's passes use (one host's cores, one GPU)
 
     def validate(self) -> None:
