@@ -23,7 +23,7 @@ def _rows_with_ties_and_nans() -> torch.Tensor:
     torch.manual_seed(0)
     rows = torch.randn(5, 151_937) * 4
     rows[0, [9, 70_000, 151_936]] = 30.0
-    rows[1, [151_930, 151_936]] = 30.0  # a tie inside the last, partial vector and after it
+    rows[1, [151_930, 151_936]] = 30.0  # a tie in the last whole vector and in the scalar tail after it
     rows[2, [40, 90_000]] = float("nan")
     rows[3, 1000:] = float("-inf")
     return rows
