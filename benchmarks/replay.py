@@ -13,10 +13,11 @@ virtual clock the fakes advance by what they charge, so the policy learns the co
     .venv/bin/python -m benchmarks.replay --record --draft-quantize q4_0 --traces replay_traces_q4_0.json
 
 Record: for each prompt of the four prompt files (ordinary and repeating, each with its held-out
-set), the target's 128 greedy tokens, its confidence at each (its probability of its own token) and
-whether the draft's greedy token there was the same (the draft as stored, or `--draft-quantize
-q4_0`); written to results/replay_traces.json (`--traces`). Replay: the draft agrees where the
-record says, the target reports the recorded confidence, from a fresh owner's calibrated prior
+set), the target's 128 greedy tokens, its confidence at each (its probability of its own token),
+whether the draft's greedy token there was the same and the draft's probability of it (the draft
+as stored, or `--draft-quantize q4_0`); written to results/replay_traces.json (`--traces`). Replay:
+the draft agrees where the record says and stops on its recorded probability as the service does
+(the confidence stop), the target reports the recorded confidence, from a fresh owner's calibrated prior
 (α 0.7); every round counts, the draft's catch-up on the prompt included (the fakes charge the
 target's prefill as a step, alike in both). `--fixed-k K`: the same traces at a pinned K as well,
 what the adaptive policy is to match. Writes results/replay.json.
