@@ -57,3 +57,16 @@ def test_the_ceiling_is_plain_where_nothing_helps_and_bounds_every_policy_where_
         assert bound > 1.5
         assert all(replay(t, HostCosts(), fixed_k=k)[0] <= bound for k in (None, 2, 4, 8))
     assert ceilings([copying, drafted], HostCosts())["prose"]["mean"] == round(ceiling(copying, HostCosts()), 3)
+
+
+def test_the_drafts_recorded_probability_stops_its_drafting_as_the_service_does():
+    """A draft the recording gave a low probability ends the round's drafting (the confidence stop)
+    under the adaptive policy; a pinned K drafts through it."""
+    sure = trace("code", "code", 1, 0.95)
+    unsure_every_other = {**sure, "draft_confidence": [0.99, 0.2] * 64}
+    _, drafts_when_sure = replay(sure, HostCosts(), fixed_k=None)
+    speedup, drafts_when_unsure = replay(unsure_every_other, HostCosts())
+    _, pinned = replay(unsure_every_other, HostCosts(), fixed_k=4)
+    assert drafts_when_unsure < drafts_when_sure
+    assert speedup < replay(sure, HostCosts())[0]
+    assert pinned == replay(sure, HostCosts(), fixed_k=4)[1]
