@@ -451,6 +451,7 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "load_zen4": load_runs("load_zen4"),
     "load_zen4_line": load_runs("load_zen4_line"),
     "load_zen4_guided": load_runs("load_zen4_guided"),
+    "load_zen4_s39": load_runs("load_zen4_s39"),
     "goals": goals,
     "rows": rows,
     "head_vocab": head_vocab,
