@@ -384,9 +384,9 @@ def before_after(results: Path) -> str:
     return table(["tok/s (× llama-server plain)", *CLASSES], rows)
 
 
-def round_parts(results: Path) -> str:
+def round_parts(results: Path, name: str = "round_parts") -> str:
     """Milliseconds of a steady-state round by part, plain and adaptive (specd bench --round-parts)."""
-    run = load(results, "round_parts")
+    run = load(results, name)
     parts = run["parts_ms_per_round"]
     names = {"target_pass": "target pass", "draft": "draft calls", "queued": "queued at the target",
              "verify_rpc": "verify RPC (gRPC, TLS, both sides' Python)",
@@ -402,7 +402,7 @@ def round_parts(results: Path) -> str:
         rows.append([f"÷ the engine decoding alone ({run['engine_alone']['tokens_per_s']:.1f} tok/s)",
                      *(f"{parts[c]['vs_engine_alone']:.2f}" for c in parts)])
     settings = run["settings"]
-    head = para(f"`results/round_parts.json`: {run['machine']['cpu']} ({'/'.join(run['machine']['vector_extensions'])}), "
+    head = para(f"`results/{name}.json`: {run['machine']['cpu']} ({'/'.join(run['machine']['vector_extensions'])}), "
                 f"prompts {', '.join(settings['prompts'])}; "
                 f"{settings['tokens']} tokens less 1, {settings['repeats']}× each; {run['duration_s'] / 60:.1f} min. "
                 "Milliseconds per steady-state round:") + "\n"
@@ -443,7 +443,9 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "bench_repeat": llama("bench_repeat"),
     "bench_repeat_heldout": llama("bench_repeat_heldout"),
     "bench_repeat_target_alone": llama("bench_repeat_target_alone"),
+    "bench_repeat_avx2": llama("bench_repeat_avx2"),
     "round_parts": round_parts,
+    "round_parts_avx2": lambda results: round_parts(results, "round_parts_avx2"),
     "load_avx2": load_runs("load_avx2"),
     "load_avx2_contends": load_runs("load_avx2_contends"),
     "load_avx2_atload": load_runs("load_avx2_atload"),

@@ -2,7 +2,7 @@
 costs, on the fetched GGUF file as specd serves it. The repeats go round the row counts (every
 count once, then again), so a slow minute of this shared host hits them all alike.
 
-    .venv/bin/python -m benchmarks.rows [--repeats 7] [--max-rows 16] [--role draft] [--model PATH]
+    .venv/bin/python -m benchmarks.rows [--repeats 7] [--max-rows 16] [--role draft [--quantize q4_0]] [--model PATH]
                                         [--llama-server PATH] [--against REV] [--busy SHARE]
 
 Writes benchmarks/results/rows.json (rows_draft.json; SPECD_MARCH=haswell adds _haswell: the AVX2
@@ -125,9 +125,9 @@ class PassServer:
     """An engine in a process of its own, built from the kernels in `csrc` (None: this checkout's),
     that times one pass of the rows it is sent."""
 
-    def __init__(self, model: Path, threads: int, csrc: Path | None = None):
+    def __init__(self, model: Path, threads: int, csrc: Path | None = None, quantize: str = "auto"):
         command = [sys.executable, "-m", "benchmarks.rows", "--serve-passes", "--model", str(model),
-                   "--threads", str(threads), *(["--csrc", str(csrc)] if csrc else [])]
+                   "--threads", str(threads), "--quantize", quantize, *(["--csrc", str(csrc)] if csrc else [])]
         self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
         ready = self.process.stdout.readline()
         if not ready:
@@ -201,6 +201,8 @@ def main() -> None:
     parser.add_argument("--max-rows", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--role", default="target", choices=("target", "draft"))
+    parser.add_argument("--quantize", default="auto", choices=("auto", "q4_0"),
+                        help="the weights it runs: as stored, or a draft's as q4_0 (specd up's default for a GGUF draft)")
     parser.add_argument("--model", type=Path, help="a GGUF file (default: the role's fetched file)")
     parser.add_argument("--llama-server", type=Path, help="llama.cpp's llama-server: its time per token too")
     parser.add_argument("--against", metavar="REV", help="a git revision whose kernels are timed beside this one's")
@@ -215,17 +217,19 @@ def main() -> None:
     if args.serve_passes:
         if args.csrc:
             native.CSRC = args.csrc  # this process only: the kernels of the revision it stands for
-        serve_passes(holding_context(ModelEngine(EngineConfig(path, threads=args.threads, quantize="auto"))))
+        serve_passes(holding_context(ModelEngine(EngineConfig(path, threads=args.threads, quantize=args.quantize))))
         return
-    result = {"benchmark": "rows", "model": path.name, "role": args.role, "march": native.default_march(),
+    result = {"benchmark": "rows", "model": path.name, "role": args.role, "quantize": args.quantize,
+              "march": native.default_march(),
               "threads": args.threads, "context": CONTEXT, "repeats": args.repeats, "busy": args.busy,
               "machine": machine()}
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as peers:
         llama = (LlamaTokens(peers.enter_context(llama_server.serve(args.llama_server, path, args.threads)))
                  if args.llama_server else None)
-        servers = {"pass_s": PassServer(path, args.threads)}
+        servers = {"pass_s": PassServer(path, args.threads, quantize=args.quantize)}
         if args.against:
-            servers["against_pass_s"] = PassServer(path, args.threads, kernel_sources(args.against, Path(tmp)))
+            servers["against_pass_s"] = PassServer(path, args.threads, kernel_sources(args.against, Path(tmp)),
+                                                   args.quantize)
         try:
             result["numerics"] = servers["pass_s"].numerics
             with interference(args.busy):

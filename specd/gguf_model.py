@@ -105,6 +105,11 @@ class GGUFModel:
         return [f"{n} {name}" for name, n in sorted(counts.items(), key=lambda kv: -kv[1])]
 
     @property
+    def requantized_to(self) -> str | None:
+        """The type its requantizable weights run as instead of their stored one (None: as stored)."""
+        return None if self._requantize is None else quants.type_name(self._requantize)
+
+    @property
     def nbytes(self) -> int:
         """Bytes of the weights as stored (what serving them maps)."""
         return sum(t.nbytes for t in self._tensors.values())
@@ -318,13 +323,6 @@ class KVCache:
     @property
     def capacity(self) -> int:
         return self.keys.shape[2]
-
-    def tensor_types(self) -> list[str]:
-        """The stored types of the file's tensors, most numerous first (for logs and health)."""
-        counts: dict[str, int] = {}
-        for tensor in self._tensors.values():
-            counts[tensor.tensor_type.name] = counts.get(tensor.tensor_type.name, 0) + 1
-        return [f"{n} {name}" for name, n in sorted(counts.items(), key=lambda kv: -kv[1])]
 
     @property
     def nbytes(self) -> int:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specd import kernels
+from specd import kernels, quants
 
 MODES = ("none", "int8", "auto", "q4_0")  # q4_0: a GGUF draft's (gguf_model.GGUFModel requantize)
 CHECK_ROWS = (2, 3, 5, 9, 16)  # row counts whose every row must equal the one-row result
@@ -65,8 +65,11 @@ def check_native(model) -> Choice:
     if not (torch.equal(alone, together) and torch.equal(alone, beside)):
         raise RuntimeError(f"{model.path.name}: a pass's rows differ from one-row steps on this CPU; "
                            "specd's kernels are not batch-invariant here, so speculation would change the output")
-    return Choice("gguf", "the file's tensors as stored (" + ", ".join(model.tensor_types()) + "), batch-invariant "
-                  "by the start-up check", True)
+    runs = "the file's tensors as stored (" + ", ".join(model.tensor_types()) + ")"
+    if model.requantized_to:
+        stored = ", ".join(sorted(quants.type_name(t) for t in quants.REQUANTIZABLE))
+        runs += f", its {stored} weights requantized to {model.requantized_to} at load"
+    return Choice("gguf", runs + ", batch-invariant by the start-up check", True)
 
 
 def _dense_linear(shape: tuple[int, int]) -> torch.nn.Linear:

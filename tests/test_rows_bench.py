@@ -65,6 +65,19 @@ def test_against_a_revision_times_both_builds_and_names_the_commit(tmp_path, mon
     assert "Q4_K" in result["numerics"]
 
 
+@pytest.mark.parametrize("quantize", ["auto", "q4_0"])
+def test_a_draft_is_timed_with_the_weights_it_is_served_with(tmp_path, monkeypatch, quantize):
+    model = write_tiny(tmp_path / "draft.gguf", "qwen2", "Q8_0", vocab=20200)
+    written = {}
+    monkeypatch.setattr(rows, "write", lambda name, result: written.update({name: result}) or tmp_path / name)
+    monkeypatch.setattr(sys, "argv", ["rows", "--model", str(model), "--max-rows", "2", "--repeats", "1",
+                                      "--quantize", quantize, "--name", "tiny"])
+    rows.main()
+    result = written["tiny"]
+    assert result["quantize"] == quantize
+    assert ("Q4_0" in result["numerics"]) == (quantize == "q4_0")  # the pass server's own start-up check says
+
+
 def test_a_revision_that_does_not_exist_is_refused(tmp_path):
     with pytest.raises(subprocess.CalledProcessError):
         rows.kernel_sources("no-such-revision-anywhere", tmp_path)
