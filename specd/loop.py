@@ -203,6 +203,15 @@ async def one_round(request: GenerationRequest, session_id: str, services: Servi
         return result.record
 
 
+async def streamed_rounds(request: GenerationRequest, session_id: str, services: Services,
+                          decode: Decode) -> list[RoundRecord]:
+    """A request's rounds to its end, each saved, its plain steps streamed as a turn's are (start-up
+    calibration times plain decoding as the deployment runs it)."""
+    with services.gate.request() as priority:
+        turn, progress, _ = await _start_turn(request, session_id, services, decode, priority)
+        return [result.record async for result in _saved_rounds(turn, progress)]
+
+
 async def _start_turn(request: GenerationRequest, session_id: str, services: Services, decode: Decode,
                       priority: Priority, owner: str = "", request_id: str = "", stream: bool = True
                       ) -> tuple[_Turn, _Progress, tuple[int, ...]]:

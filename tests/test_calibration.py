@@ -27,7 +27,7 @@ from specd.policy import (
 from services.common.server import start_server
 from services.coordinator.store import RedisSessionStore
 from tests.cluster import Cluster
-from tests.fakes import FakeDrafter, FakeStore, FakeVerifier, draft_rule, target_rule
+from tests.fakes import FakeDecoder, FakeDrafter, FakeStore, FakeVerifier, draft_rule, target_rule
 from tests.test_loop import decode
 
 CONFIG = PolicyConfig(max_k=16)
@@ -45,11 +45,14 @@ def test_the_calibrated_prior_measures_timings_but_not_acceptance():
     rounds = [RoundObservation(k, 0, 0.05 * k, 0.4 + 0.04 * k, 0.002) for k in calibration_ks(CONFIG)]
     # a draft catching up on 100 tokens: left out of the step, and its time beyond two steps a token of a catch-up
     rounds.append(RoundObservation(2, 0, 9.0, 9.0, 0.002, draft_cold=True, target_cold=True, draft_sent=100))
+    # streamed plain steps: a faster pass than the lone plain step's, and a gap that is no call's RTT
+    rounds += [RoundObservation(0, 0, 0.0, 0.36 + 0.01 * i, 0.0005, streamed=True) for i in range(3)]
     est = calibrated(rounds).estimates
     assert est.catch_up_s == pytest.approx((9.0 - 2 * 0.05) / 100)
-    assert dict(est.verify_s) == pytest.approx({k: 0.4 + 0.04 * k for k in range(17)})
+    assert dict(est.verify_s) == pytest.approx({0: 0.36} | {k: 0.4 + 0.04 * k for k in range(1, 17)})
     assert est.calibrated_s == est.verify_s  # kept apart: learning moves verify_s only
     assert est.draft_step_s == pytest.approx(0.05) and est.rtt_s == pytest.approx(0.002)
+    assert est.stream_s == pytest.approx(0.0005)
     assert est.alpha == 0.7 and est.tested_count == 0 and est.observations == 0  # the prior's
 
 
@@ -82,21 +85,45 @@ def test_calibration_times_each_k_on_a_scratch_session_and_forgets_it():
     services = Services(drafter, verifier, store)
     prior = asyncio.run(calibration.seed_prior(services, decode, CONFIG))
     ks = calibration_ks(CONFIG)
-    assert verifier.calls == 1 + calibration.SWEEPS * len(ks)  # the prefill, then each K SWEEPS times
+    sweeps = 1 + calibration.SWEEPS * len(ks)  # the prefill, then each K SWEEPS times
+    assert verifier.calls == sweeps + calibration.PLAIN_STEPS  # then plain steps (no stream here: Step calls)
     assert verifier.synced[0] == len(calibration.SCRATCH_PROMPT) and not any(verifier.synced[1:])  # as a session goes on
     assert dict(prior.estimates.verify_s) == {k: pytest.approx(0.4 + 0.05 * k) for k in ks}  # warm
     assert prior.estimates.draft_step_s == pytest.approx(drafter.compute_s)
     assert store.learned == prior and not store.sessions  # stored; the scratch session deleted
     assert drafter.released == verifier.released and len(verifier.released) == 1 and not verifier.sessions
     assert asyncio.run(calibration.seed_prior(services, decode, CONFIG)) is None  # it has a prior now
-    assert verifier.calls == 1 + calibration.SWEEPS * len(ks) and store.learned == prior
+    assert verifier.calls == sweeps + calibration.PLAIN_STEPS and store.learned == prior
 
 
 def test_with_no_draft_model_calibration_times_plain_steps_only():
     verifier, store = RowPricedVerifier(target_rule, warm_up_calls=0), FakeStore()
     prior = asyncio.run(calibration.seed_prior(Services(None, verifier, store), decode, CONFIG))
     assert dict(prior.estimates.verify_s) == {0: pytest.approx(0.4)} and prior.estimates.draft_step_s is None
-    assert verifier.calls == 1 + calibration.SWEEPS and len(verifier.released) == 1
+    assert verifier.calls == 1 + calibration.SWEEPS + calibration.PLAIN_STEPS and len(verifier.released) == 1
+
+
+@dataclass
+class WarmWhenStreamed:
+    """The verifier's passes as a stream of plain steps runs them: `compute_s` each, where a lone call's
+    plain step (the sweeps') reports the verifier's own price."""
+
+    verifier: FakeVerifier
+    compute_s: float
+
+    async def verify(self, request):
+        return replace(await self.verifier.verify(request), compute_s=self.compute_s)
+
+
+def test_a_plain_step_is_priced_as_the_deployment_decodes_plainly():
+    """Every speculative round is weighed against plain decoding, which streams its steps, and a session
+    that drafts every round never times it again: the prior's verify(0) is a streamed step's."""
+    verifier = RowPricedVerifier(target_rule, warm_up_calls=0)  # a lone call: 0.4 s + 0.05 s a draft
+    decoder = FakeDecoder(WarmWhenStreamed(verifier, 0.3))
+    services = Services(FakeDrafter(draft_rule(3)), verifier, FakeStore(), decoder=decoder)
+    est = asyncio.run(calibration.seed_prior(services, decode, CONFIG)).estimates
+    assert dict(est.verify_s) == {0: pytest.approx(0.3)} | {k: pytest.approx(0.4 + 0.05 * k) for k in range(1, 17)}
+    assert decoder.opened == 1 and decoder.steps == calibration.PLAIN_STEPS and est.stream_s is not None
 
 
 @pytest.fixture(scope="module")

@@ -164,9 +164,10 @@ def calibration_ks(config: PolicyConfig) -> tuple[int, ...]:
 
 def calibrated(rounds: Sequence[RoundObservation]) -> PolicyState:
     """The prior of a fresh deployment from timed rounds (`calibration_ks`, perhaps each more than
-    once): verify(K), the draft step, the draft's catch-up a token and the RTT, each the fastest
-    measured (noise only ever adds time); acceptance left at the prior. A cold service's timing (it
-    caught up on more than the round's tokens) is left out, but for the catch-up it times."""
+    once, and streamed plain steps): verify(K), the draft step, the draft's catch-up a token, the RTT
+    and a streamed step's gap, each the fastest measured (noise only ever adds time); acceptance left
+    at the prior. A cold service's timing (it caught up on more than the round's tokens) is left out,
+    but for the catch-up it times; a streamed step made no call, so its gap is not an RTT."""
     verify: dict[int, float] = {}
     for obs in rounds:
         if not obs.target_cold:
@@ -176,5 +177,6 @@ def calibrated(rounds: Sequence[RoundObservation]) -> PolicyState:
                  if step is not None and o.k > 0 and o.draft_cold and o.draft_sent > 0]
     table = tuple(sorted(verify.items()))
     estimates = Estimates(draft_step_s=step, catch_up_s=min(catch_ups, default=None), verify_s=table,
-                          calibrated_s=table, rtt_s=min((o.rtt_s for o in rounds), default=0.0))
+                          calibrated_s=table, rtt_s=min((o.rtt_s for o in rounds if not o.streamed), default=0.0),
+                          stream_s=min((o.rtt_s for o in rounds if o.streamed), default=None))
     return PolicyState(estimates=estimates)
