@@ -258,9 +258,10 @@ def quality(name: str) -> Callable[[Path], str]:
 def _rows_label(run: dict, first: dict) -> str:
     """The run's role, and how its build or host differs from the first run's."""
     build = f" ({run['march']} build)" if run.get("march", "native") != "native" else ""
+    weights = f" (as {run['quantize'].upper()})" if run.get("quantize", "auto") != "auto" else ""
     host = run["machine"]["vector_extensions"]
     other = f" ({run['machine']['cpu']}, {'/'.join(host)} only)" if host != first["machine"]["vector_extensions"] else ""
-    return f"{run['role']} ms{build}{other}"
+    return f"{run['role']} ms{weights}{build}{other}"
 
 
 def rows(results: Path) -> str:
@@ -270,10 +271,11 @@ def rows(results: Path) -> str:
     def ms(run: dict, key: str) -> str:
         return f"{run[key] * 1e3:.1f}" if key in run else "—"
 
-    body = [[_rows_label(run, runs[0]), *(f"{run['pass_s'].get(n, float('nan')) * 1e3:.1f}" for n in counts),
+    body = [[_rows_label(run, runs[0]), *(f"{run['pass_s'][n] * 1e3:.1f}" if n in run["pass_s"] else "—" for n in counts),
              ms(run, "decode_per_token_s"), ms(run, "llama_server_per_token_s")] for run in runs]
     head = para(f"One pass of a session holding {runs[0]['context']} tokens, by rows fed ({runs[0]['machine']['cpu']}, "
-                f"{runs[0]['threads']} threads, median of {runs[0]['repeats']}); plain decoding's time per token, the "
+                f"{runs[0]['threads']} threads, median of {runs[0]['repeats']} for the first row, of each file's "
+                "`repeats` for the others); plain decoding's time per token, the "
                 "engine's alone (one-row passes in a row) and llama-server's own on the same file (its "
                 "`predicted_per_token_ms`), taken side by side after each repeat (a row without the engine's: "
                 "llama-server's was timed after the sweep, minutes apart):") + "\n"
@@ -450,6 +452,7 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "load_avx2_contends": load_runs("load_avx2_contends"),
     "load_avx2_atload": load_runs("load_avx2_atload"),
     "load_avx2_judged": load_runs("load_avx2_judged"),
+    "load_avx2_s40": load_runs("load_avx2_s40"),
     "load_zen4": load_runs("load_zen4"),
     "load_zen4_line": load_runs("load_zen4_line"),
     "load_zen4_guided": load_runs("load_zen4_guided"),
