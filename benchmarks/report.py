@@ -453,6 +453,7 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "load_avx2_atload": load_runs("load_avx2_atload"),
     "load_avx2_judged": load_runs("load_avx2_judged"),
     "load_avx2_s40": load_runs("load_avx2_s40"),
+    "load_avx2_s40_after": load_runs("load_avx2_s40_after"),
     "load_zen4": load_runs("load_zen4"),
     "load_zen4_line": load_runs("load_zen4_line"),
     "load_zen4_guided": load_runs("load_zen4_guided"),
