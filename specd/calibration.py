@@ -14,10 +14,8 @@ from specd.stopping import Decode, StopRules
 
 SCRATCH_PROMPT = (1,) * 8  # any tokens: only the timings count, and the scratch session is forgotten
 SWEEPS = 2  # rounds per K; the fastest counts (a service's first passes and start-up noise only add time)
-# Plain steps streamed after the sweeps, as plain decoding runs: its pass is the price every speculative round
-# is weighed against, and a session that drafts every round never times it again (on a 2-core AVX2 host the
-# sweeps' two lone plain steps read 65 ms where the deployment's plain passes took 48-55, so prose looked
-# worth drafting at α 0.5 and ran 0.80-0.85x plain).
+# Plain steps streamed after the sweeps, as plain decoding runs them: their pass is what every speculative
+# round is weighed against, and a session that drafts every round never times it again (docs/policy.md).
 PLAIN_STEPS = 8
 
 
