@@ -56,6 +56,15 @@ def test_the_calibrated_prior_measures_timings_but_not_acceptance():
     assert est.alpha == 0.7 and est.tested_count == 0 and est.observations == 0  # the prior's
 
 
+def test_a_pass_is_priced_at_most_as_the_fastest_pass_of_more_positions():
+    """Noise only adds time and more positions never cost less: a slow moment during K = 1's rounds
+    (68 ms where K = 2 took 61, the AVX2 host's start-up) must not price the first extra row at 24 ms."""
+    timed = {0: 0.044, 1: 0.068, 2: 0.061, 3: 0.072, 4: 0.087, 5: 0.123, 6: 0.129, 7: 0.119}
+    est = calibrated([RoundObservation(k, 0, 0.014 * k, t, 0.003) for k, t in timed.items()]).estimates
+    assert dict(est.verify_s) == pytest.approx(timed | {1: 0.061, 5: 0.119, 6: 0.119})
+    assert est.calibrated_s == est.verify_s
+
+
 def test_a_session_inheriting_it_neither_calibrates_nor_explores():
     rounds = [RoundObservation(k, 0, 0.045 * k, VERIFY_S[k], 0.003) for k in calibration_ks(CONFIG)]
     state = inherit(calibrated(rounds))

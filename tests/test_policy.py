@@ -35,6 +35,7 @@ from specd.policy import (
     verify_time,
 )
 from specd.policy.cost import HOPELESS_JUDGED, pass_time, plain_time
+from specd.policy.learning import learn
 from specd.policy.base import PROBE_SHARE
 from specd.policy import modes
 from specd.policy.modes import decisive_probe_k
@@ -628,6 +629,35 @@ def test_an_unlucky_start_does_not_switch_a_good_draft_off():
             accepted = 0 if round_index < 2 else draw_accepted(rng, 0.9, k)
             state = observe(state, slow_round(k, accepted), CONFIG)
         assert state.fallbacks == 0, seed
+
+
+def test_a_burst_of_slow_draft_steps_does_not_switch_a_good_draft_off():
+    """The AVX2 host's calibrated pair (draft step 20 ms, plain pass 52 ms, 27 ms a row from two rows
+    to three) and code at α 0.95: a session's draft model woke after the prompt and took three steps
+    of 37-104 ms between ones of 20 (the host, not the draft). One such step must not count five
+    times over: at that step even free verification would not pay, and the session fell back for
+    the rest of its request (0.8x plain)."""
+    table = ((0, 0.052), (1, 0.059), (2, 0.086), (3, 0.113), (4, 0.13), (5, 0.141), (6, 0.16), (8, 0.19))
+    est = Estimates(alpha=0.89, draft_step_s=0.0198, verify_s=table, calibrated_s=table, rtt_s=0.0035,
+                    stream_s=0.0001, observations=20, accepted_count=0.89 * 3, tested_count=3, judged=1)
+    state = PolicyState(k=1, estimates=est, drafted_last_round=True)
+    for step_s in (0.02, 0.043, 0.037, 0.022, 0.104) + (0.02,) * 10:
+        k = next_k(state, CONFIG)
+        state = observe(state, RoundObservation(k, k, step_s * k, 0.06 + 0.014 * (k - 1), 0.0035), CONFIG)
+        assert state.mode == SPECULATIVE and state.fallbacks == 0
+    assert state.estimates.draft_step_s < 0.025  # the burst left the estimate once the steps were quick again
+
+
+def test_a_slower_host_still_shows_in_the_timings_within_a_few_rounds():
+    """A rise is counted at most double a round (the burst above), so a host four times slower for good
+    is learnt in rounds, not at once."""
+    est = replace(measured(0.9), observations=10)
+    seen = []
+    for _ in range(12):
+        est = learn(est, RoundObservation(4, 4, 4 * 4 * DRAFT_STEP, 4 * 0.56, RTT), CONFIG, False, False)
+        seen.append(est.draft_step_s)
+    assert seen[0] == pytest.approx(DRAFT_STEP * 1.3)  # double the estimate, at the EWMA's weight
+    assert seen[-1] > 0.95 * 4 * DRAFT_STEP and dict(est.verify_s)[4] > 0.95 * 4 * 0.56
 
 
 def test_concave_verify_times_are_explored_up_to_a_long_k():

@@ -11,6 +11,9 @@ from specd.policy.base import CONFIDENCE_WEIGHT, Estimates, PolicyConfig, Policy
 from specd.policy.cost import is_measured
 
 PRIOR_DRAFTS = 2.0  # weight, in drafts, of the prior α: three rejections in a row outweigh it
+# A timing counts a round's measurement at most this many times its estimate: on the AVX2 host single
+# draft steps of 37-104 ms came between ones of 20 (docs/policy.md).
+MAX_RISE = 2.0
 
 
 def learn(
@@ -38,7 +41,7 @@ def learn(
     if obs.streamed:  # no call of its own: what a plain token costs beyond its pass where stretches stream
         stream = _timed(stream, obs.rtt_s, w)
     else:
-        rtt = obs.rtt_s if est.observations == 0 else _ewma(est.rtt_s, obs.rtt_s, w)
+        rtt = _timed(None if est.observations == 0 else est.rtt_s, obs.rtt_s, w)
     call, streamed = est.plain_call_s, est.plain_streamed_s
     if obs.k == 0 and not target_cold and obs.wall_s > 0:
         if obs.streamed:
@@ -135,6 +138,17 @@ def _learn_acceptance(est: Estimates, obs: RoundObservation, window: int) -> tup
     return decayed(accepted, obs.accepted, window), decayed(tested, judged, window), judged
 
 
+def _never_dearer_than_more(verify: dict[int, float]) -> tuple[tuple[int, float], ...]:
+    """The table with each pass at most the fastest pass of more positions: noise only adds time, and
+    more positions never cost less (the AVX2 host's calibration read 68 ms for two positions and 61
+    for three: a slow moment, not the kernel)."""
+    table, least = [], math.inf
+    for k in sorted(verify, reverse=True):
+        least = min(least, verify[k])
+        table.append((k, least))
+    return tuple(reversed(table))
+
+
 def alpha_after(est: Estimates, k: int, accepted: int, window: int) -> float:
     """α after one more round that drafted K and had `accepted` of them accepted."""
     accepted_count, tested_count, _ = _learn_acceptance(est, RoundObservation(k, accepted, 0.0, 0.0, 0.0), window)
@@ -143,7 +157,7 @@ def alpha_after(est: Estimates, k: int, accepted: int, window: int) -> float:
 
 def learn_verify(verify_s: tuple[tuple[int, float], ...], k: int, seconds: float, w: float):
     points = dict(verify_s)
-    points[k] = seconds if k not in points else _ewma(points[k], seconds, w)
+    points[k] = _timed(points.get(k), seconds, w)
     return tuple(sorted(points.items()))
 
 
@@ -152,8 +166,11 @@ def _ewma(old: float, new: float, w: float) -> float:
 
 
 def _timed(old: float | None, new: float, w: float) -> float:
-    """A timing's EWMA; its first measurement is taken as is."""
-    return new if old is None else _ewma(old, new, w)
+    """A timing's EWMA; its first measurement is taken as is, a later one at most MAX_RISE times the
+    estimate: noise only adds time, and a slower host or a heavier batch still shows within a few rounds."""
+    if old is None:
+        return new
+    return _ewma(old, min(new, MAX_RISE * old) if old > 0 else new, w)
 
 
 def calibration_ks(config: PolicyConfig) -> tuple[int, ...]:
@@ -165,7 +182,8 @@ def calibration_ks(config: PolicyConfig) -> tuple[int, ...]:
 def calibrated(rounds: Sequence[RoundObservation]) -> PolicyState:
     """The prior of a fresh deployment from timed rounds (`calibration_ks`, perhaps each more than
     once, and streamed plain steps): verify(K), the draft step, the draft's catch-up a token, the RTT
-    and a streamed step's gap, each the fastest measured (noise only ever adds time); acceptance left
+    and a streamed step's gap, each the fastest measured (noise only ever adds time; a pass also at
+    most the fastest of more positions: `_never_dearer_than_more`); acceptance left
     at the prior. A cold service's timing (it caught up on more than the round's tokens) is left out,
     but for the catch-up it times; a streamed step made no call, so its gap is not an RTT."""
     verify: dict[int, float] = {}
@@ -175,7 +193,7 @@ def calibrated(rounds: Sequence[RoundObservation]) -> PolicyState:
     step = min((o.draft_s / o.k for o in rounds if o.k > 0 and not o.draft_cold), default=None)
     catch_ups = [max(0.0, o.draft_s - o.k * step) / o.draft_sent for o in rounds
                  if step is not None and o.k > 0 and o.draft_cold and o.draft_sent > 0]
-    table = tuple(sorted(verify.items()))
+    table = _never_dearer_than_more(verify)
     estimates = Estimates(draft_step_s=step, catch_up_s=min(catch_ups, default=None), verify_s=table,
                           calibrated_s=table, rtt_s=min((o.rtt_s for o in rounds if not o.streamed), default=0.0),
                           stream_s=min((o.rtt_s for o in rounds if o.streamed), default=None))
