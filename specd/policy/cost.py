@@ -26,6 +26,12 @@ def expected_tokens(alpha: float, k: int) -> float:
 
 
 def verify_time(est: Estimates, k: int) -> float | None:
+    """`_verify_time`, derived once per estimates and K (a plain-mode session's probe check prices every
+    K at several α: under load, 16 sessions' checks were most of the coordinator's work)."""
+    return derived(est, ("verify", k), lambda: _verify_time(est, k))
+
+
+def _verify_time(est: Estimates, k: int) -> float | None:
     """Target compute for a round with K drafts, priced as the pass it joins, in two ways, the dearer
     taken: as B sessions (`est.batch`) that each draft K, B·(K + 1) positions (vLLM's batch size -> K
     table, learnt); and as its K + 1 positions beside the B - 1 others' plain steps plus what its K
@@ -172,10 +178,15 @@ def predicted_speedup(est: Estimates, config: PolicyConfig, k: int, alpha: float
 def plain_time(est: Estimates) -> float:
     """T(0): a plain token. A Step call's pass and RPC, or where plain stretches stream (the target
     running the next step while the last one's reply travels) the pass and a streamed step's gap."""
-    return verify_time(est, 0) + (est.rtt_s if est.stream_s is None else est.stream_s)
+    return derived(est, ("plain",), lambda: verify_time(est, 0) + (est.rtt_s if est.stream_s is None else est.stream_s))
 
 
 def round_time(est: Estimates, config: PolicyConfig, k: int) -> float:
+    """`_round_time`, derived once per estimates, K and whether the draft contends (α does not enter it)."""
+    return derived(est, ("round", k, config.draft_contends), lambda: _round_time(est, config, k))
+
+
+def _round_time(est: Estimates, config: PolicyConfig, k: int) -> float:
     """T(K) of docs/policy.md: one synchronous round with K drafts. Needs `is_measured(est)`. Where the
     draft contends for the target's compute (`PolicyConfig.draft_contends`: one host's cores, one GPU), a
     round that drafts beside B - 1 sessions' plain steps also costs each of them its K draft steps,
