@@ -59,12 +59,16 @@ class Up:
 
     def rss(self) -> dict[str, int]:
         """Resident bytes of each service process (draft, target, coordinator) right now."""
+        return {role: sum(rss_bytes(pid) for pid in pids) for role, pids in self._roles().items()}
+
+    def cpu_s(self) -> dict[str, float]:
+        """CPU seconds (user and system) each service role's processes have used so far."""
+        return {role: sum(cpu_seconds(pid) for pid in pids) for role, pids in self._roles().items()}
+
+    def _roles(self) -> dict[str, list[int]]:
         children = descendants(self.pid)
-        sizes = {}
-        for role in ("draft", "target", "coordinator"):
-            pids = [pid for pid, command in children.items() if f"services.{role}" in command]
-            sizes[role] = sum(rss_bytes(pid) for pid in pids)
-        return sizes
+        return {role: [pid for pid, command in children.items() if f"services.{role}" in command]
+                for role in ("draft", "target", "coordinator")}
 
 
 def descendants(root: int) -> dict[int, str]:
@@ -85,6 +89,15 @@ def descendants(root: int) -> dict[int, str]:
                 found[child] = commands.get(child, "")
                 frontier.append(child)
     return found
+
+
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU seconds of a process (Linux /proc), 0 when it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def rss_bytes(pid: int) -> int:

@@ -5,13 +5,16 @@
 One `specd up` (defaults, audit off). For each N, N greedy requests at once (the prompts of
 `--prompts`, held-out by default, round-robin), first with speculation off, then adaptive, then the
 other way round on the next repeat: aggregate tokens/s of each, pooled over the repeats, and their
-ratio. Issue 30's goal: adaptive ≥ 0.98× plain at 8 and 16 sessions (the load where a round must be
-priced by the batch it joins, docs/policy.md). Every adaptive output must equal the same prompt's plain one.
+ratio, and each service's CPU time a token (its processes' user and system seconds: on a small host the
+coordinator's work takes the cores from the target's passes). Issue 30's goal: adaptive ≥ 0.98× plain
+at 8 and 16 sessions (the load where a round must be priced by the batch it joins, docs/policy.md).
+Every adaptive output must equal the same prompt's plain one.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -43,13 +46,16 @@ def run(sessions: tuple[int, ...], tokens: int, repeats: int, prompts_path: Path
     flags = ("--draft-model", str(paths["draft"]), "--target-model", str(paths["target"]), "--audit-rate", "0",
              *up_flags)
     by_repeat = {(n, c): [] for n in sessions for c in CONFIGS}  # each repeat's (tokens, seconds)
+    cpu = {(n, c): collections.Counter() for n in sessions for c in CONFIGS}  # CPU seconds by service role
     runs: list[Measured] = []
     with common.specd_up(*flags) as up:
         warm_up(up.stub, prompts[0])
         for repeat in range(repeats):
             for n in sessions:
                 for config in (CONFIGS if repeat % 2 == 0 else reversed(CONFIGS)):
+                    before = up.cpu_s()
                     seconds, these = at_once(up.stub, config, prompts, n, tokens)
+                    cpu[n, config].update({role: t - before[role] for role, t in up.cpu_s().items()})
                     by_repeat[n, config].append((sum(len(r.output) for r in these), seconds))
                     runs += these
     plain = {r.prompt: r.output for r in runs if r.config == "plain"}
@@ -60,7 +66,9 @@ def run(sessions: tuple[int, ...], tokens: int, repeats: int, prompts_path: Path
             "adaptive_vs_plain": round(rates["adaptive"] / rates["plain"], 3),
             "adaptive_vs_plain_by_repeat": [round(_rate([a]) / _rate([p]), 3)
                                             for a, p in zip(by_repeat[n, "adaptive"], by_repeat[n, "plain"])],
-            "met": rates["adaptive"] / rates["plain"] >= GOAL}
+            "met": rates["adaptive"] / rates["plain"] >= GOAL,
+            "cpu_ms_per_token": {c: {role: round(1000 * t / sum(k for k, _ in by_repeat[n, c]), 2)
+                                     for role, t in sorted(cpu[n, c].items())} for c in CONFIGS}}
     return {
         "machine": common.machine(),
         "settings": {"sessions": list(sessions), "tokens": tokens, "repeats": repeats, "prompts": prompts_path.name,

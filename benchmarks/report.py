@@ -427,9 +427,17 @@ def load_block(results: Path, name: str) -> str:
     tail = para(f"Adaptive drafted {adaptive['drafted_tokens']} tokens in {adaptive['rounds']} rounds, "
                 f"{adaptive['accepted_tokens']} accepted, {adaptive['fallbacks']} fallbacks to plain; "
                 f"{lossless['checked'] - len(lossless['mismatches'])} of {lossless['checked']} adaptive outputs "
-                "equal plain decoding's.")
+                "equal plain decoding's." + _load_cpu(run["sessions"]))
     return head + table(["sessions at once", "plain tok/s", "adaptive tok/s", "adaptive ÷ plain", "each repeat",
                          "≥ 0.98×"], rows) + "\n" + tail
+
+
+def _load_cpu(sessions: dict) -> str:
+    """Each service's CPU a token, plain / adaptive, where the run recorded it."""
+    parts = [f"{n} sessions " + ", ".join(f"{role} {cpu['plain'][role]:.1f} / {cpu['adaptive'][role]:.1f}"
+                                          for role in cpu["plain"])
+             for n, r in sessions.items() if (cpu := r.get("cpu_ms_per_token"))]
+    return " CPU ms a token, plain / adaptive: " + "; ".join(parts) + "." if parts else ""
 
 
 def _rate_against(configs: dict, config: str, reference: str) -> str:
