@@ -19,7 +19,7 @@ import json
 import time
 
 from benchmarks.common import machine, write
-from benchmarks.replay import TRACES, HostCosts, _calibrated
+from benchmarks.replay import HostCosts, calibrated_prior, recorded
 from specd.contracts import SamplingParams
 from specd.loop import Chunk, GenerationRequest, Services, generate
 from specd.model_free import SuffixDrafter
@@ -28,6 +28,11 @@ from tests.fakes import FakeDecoder, FakeDrafter, FakeStore, FakeVerifier, Virtu
 
 TOKENS = 128
 CONFIGS = {"plain": 0, "adaptive": None}  # a request's fixed_k
+
+
+def with_output() -> list[dict]:
+    """The recorded traces that hold their output's token ids (the loop needs the text, not only its agreement)."""
+    return [t for t in recorded() if t.get("output")]
 
 
 def cpu_per_token(traces: list[dict], sessions: int, fixed_k: int | None, costs: HostCosts = HostCosts()
@@ -46,7 +51,7 @@ def cpu_per_token(traces: list[dict], sessions: int, fixed_k: int | None, costs:
                             batch_size=sessions, confidence=lambda prefix: 0.5)
     services = Services(FakeDrafter(lambda prefix: target(prefix) + 1, compute_s=costs.draft_step, clock=clock,
                                     rpc_s=costs.call),
-                        verifier, FakeStore(learned=_calibrated(costs)), clock=clock, model_free=SuffixDrafter(),
+                        verifier, FakeStore(learned=calibrated_prior(costs)), clock=clock, model_free=SuffixDrafter(),
                         decoder=FakeDecoder(verifier))
 
     async def one(i: int) -> int:
@@ -68,7 +73,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--name", default="loop_cpu")
     args = parser.parse_args()
-    traces = [t for t in json.loads(TRACES.read_text())["traces"] if t.get("output")]
+    traces = with_output()
     best = {c: min(cpu_per_token(traces, args.sessions, k)[0] for _ in range(args.repeats)) for c, k in CONFIGS.items()}
     result = {"machine": machine(), "sessions": args.sessions, "repeats": args.repeats, "tokens": TOKENS,
               "cpu_ms_per_token": {c: round(1000 * s, 3) for c, s in best.items()}}

@@ -91,7 +91,7 @@ def replay(trace: dict, costs: HostCosts, tokens: int = TOKENS, fixed_k: int | N
                                     else lambda prefix: 1.0),
                         FakeVerifier(target, compute_s=costs.target_step, row_s=costs.row,
                                      confidence=lambda prefix: at(prefix, confidence), clock=clock, rpc_s=costs.call),
-                        FakeStore(learned=_calibrated(costs)), clock=clock,
+                        FakeStore(learned=calibrated_prior(costs)), clock=clock,
                         model_free=SuffixDrafter() if output and drafter != hybrid.MODEL else None)
     prompt = tuple(trace["prompt"]) if output else tuple(3 + i % 40 for i in range(start))
     request = GenerationRequest(prompt, StopRules(tokens), SamplingParams(), fixed_k=fixed_k, drafter=drafter)
@@ -157,11 +157,16 @@ def _calls(record: RoundRecord) -> int:
     return 1 + (record.draft_position is not None)
 
 
-def _calibrated(costs: HostCosts) -> PolicyState:
+def calibrated_prior(costs: HostCosts) -> PolicyState:
     """What start-up calibration would measure on such a host (acceptance left at the prior)."""
     verify = tuple((k, costs.target_step + costs.row * k) for k in range(17))
     return PolicyState(estimates=Estimates(draft_step_s=costs.draft_step, catch_up_s=costs.catch_up, rtt_s=costs.call,
                                            verify_s=verify, calibrated_s=verify))
+
+
+def recorded(path: Path = TRACES) -> list[dict]:
+    """The traces a `--record` run wrote."""
+    return json.loads(path.read_text())["traces"]
 
 
 def by_class(traces: list[dict], costs: HostCosts, fixed_k: int | None = None, drafter: str = hybrid.AUTO) -> dict:
@@ -244,7 +249,7 @@ def main() -> None:
         traces = record(draft_quantize=args.draft_quantize)
         path.write_text(json.dumps({"machine": machine(), "tokens": TOKENS, "draft_quantize": args.draft_quantize,
                                     "traces": traces}) + "\n")
-    traces = json.loads(path.read_text())["traces"]
+    traces = recorded(path)
     runs = []
     for draft_ms in args.draft_ms or [defaults.draft_step * 1e3]:
         costs = HostCosts(draft_step=draft_ms / 1e3, catch_up=args.catch_up_ms / 1e3, target_step=args.target_ms / 1e3,

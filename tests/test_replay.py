@@ -1,12 +1,10 @@
 """benchmarks/replay.py: a recorded text's confidence and agreement drive the loop on fakes at a host's costs;
 benchmarks/loop_cpu.py drives it the same way to time the coordinator's own work."""
 
-import json
-
 import pytest
 
 from benchmarks import loop_cpu
-from benchmarks.replay import TRACES, HostCosts, by_class, ceiling, ceilings, replay
+from benchmarks.replay import HostCosts, by_class, ceiling, ceilings, replay
 
 
 def trace(name: str, kind: str, agree: int, confidence: float) -> dict:
@@ -78,7 +76,7 @@ def test_the_drafts_recorded_probability_stops_its_drafting_as_the_service_does(
 
 def test_the_loop_cpu_bench_runs_every_session_to_its_tokens():
     """benchmarks/loop_cpu.py: N sessions at once on free fakes, plain and adaptive, each to its tokens."""
-    traces = [t for t in json.loads(TRACES.read_text())["traces"] if t.get("output")][:3]
+    traces = loop_cpu.with_output()[:3]
     for fixed_k in loop_cpu.CONFIGS.values():
         seconds, tokens = loop_cpu.cpu_per_token(traces, 4, fixed_k)
         assert tokens == 4 * loop_cpu.TOKENS and seconds > 0
