@@ -37,7 +37,7 @@ from specd import model_free
 from specd.model_free import NO_DRAFT, Draft, SuffixDrafter
 from specd.outage import DraftOutage
 from specd.priority import Priority, RoundGate
-from specd.policy import PLAIN, PolicyConfig, PolicyState, RoundObservation, hybrid, inherit, next_k, observe
+from specd.policy import PLAIN, PolicyConfig, PolicyState, RoundObservation, hybrid, inherit, next_k, observe, sure_k
 from specd.policy.cost import batch_sessions
 from specd.protocols import Decoder, Drafter, PlainSteps, SessionStore, Verifier
 from specd.session import Lease, ServiceCursor, SessionState, SessionStats, Turn
@@ -299,9 +299,10 @@ async def _run_round(turn: _Turn, progress: _Progress) -> RoundResult:
         elif source == hybrid.FREE:
             proposal = model_free.proposal(free.tokens[:k], request.params.greedy)
         elif source == hybrid.MODEL:
-            drafting, outage = await _draft(turn, state, k)
+            drafting, outage = await _draft(turn, state, _asked_k(request, state.policy, k, remaining))
             proposal = drafting.reply.proposal if drafting else EMPTY_PROPOSAL
         k = len(proposal.tokens)  # a confidence stop may have drafted fewer
+        sure = max(0, k - 1) if drafting and _min_confidence(request) > 0 else 0  # it drafted on after each
         # 2. verify
         if streamed:
             verifying = streamed
@@ -320,7 +321,7 @@ async def _run_round(turn: _Turn, progress: _Progress) -> RoundResult:
         target = ServiceCursor(min(verifying.reply.position, len(committed)), verifying.reply.instance_id)
         # 5. learn: acceptance and timings feed the K / fallback policy
         observation = replace(_observation(k, a, drafting, verifying, streamed=streamed is not None),
-                              free_offered=offered)
+                              free_offered=offered, sure=sure)
         policy = state.policy
         if source == hybrid.FREE:
             policy = hybrid.observe_free(policy, observation, free.scores, request.policy)
@@ -491,6 +492,15 @@ def _model_drafts(turn: _Turn, progress: _Progress) -> bool:
     if turn.services.drafter is None:
         return False
     return progress.stats.rounds > 0 or request.fixed_k is not None or request.drafter == hybrid.MODEL
+
+
+def _asked_k(request: GenerationRequest, policy: PolicyState, k: int, remaining: int) -> int:
+    """The drafts to ask the draft model for: the round's K, or in speculative mode as many as drafts it
+    is sure of would pay for (`policy.sure_k`: its confidence stop ends the proposal at the first it is
+    not sure of), within what the request may still make. A probe stays at its K: it measures α."""
+    if request.fixed_k is not None or policy.mode == PLAIN:
+        return k
+    return max(k, min(sure_k(policy.estimates, request.policy, k), remaining - 1))
 
 
 def _min_confidence(request: GenerationRequest) -> float:

@@ -172,6 +172,40 @@ def test_a_confidence_stop_drafts_up_to_the_first_unsure_token(min_confidence, p
     assert done.stats.drafted == sum(r.k for r in records)  # observations count what was drafted
 
 
+def _virtual_run(confidence, max_tokens=120):
+    """A session at the AVX2 host's costs (20 ms draft step, 55 ms pass, 12 ms a further row) with a draft
+    that is wrong at every 7th position: α reads 6/7, where the best K is 2. Its rounds and its clock."""
+    clock, records = VirtualClock(), []
+    drafter = FakeDrafter(draft_rule(7), compute_s=0.02, confidence=confidence, clock=clock, rpc_s=0.002)
+    verifier = FakeVerifier(target_rule, compute_s=0.055, row_s=0.012, clock=clock, rpc_s=0.002)
+    services = Services(drafter, verifier, FakeStore(), clock=clock)
+    request = GenerationRequest(PROMPT, StopRules(max_tokens), SamplingParams(), PolicyConfig(max_k=8))
+
+    async def collect():
+        return [e async for e in generate(request, "s", services, decode, True, records.append)]
+
+    done = asyncio.run(collect())[-1]
+    assert list(done.token_ids) == target_alone(PROMPT, max_tokens)
+    return [r for r in records if r.k > 0 and r.mode == "speculative"][:-1], done, clock.now
+
+
+def test_the_draft_model_drafts_past_the_policys_k_while_it_is_sure():
+    # sure exactly where it is right: its sure drafts always pass, so it is asked for up to max_k and
+    # stops at the unsure (wrong) one; the policy's K, priced at α = 6/7, stays small
+    drafting, done, took = _virtual_run(unsure_where_wrong(7))
+    est = done.session.policy.estimates
+    assert est.alpha < 0.9 < est.sure_alpha
+    assert done.session.policy.k <= 3
+    later = drafting[len(drafting) // 2:]
+    assert all(r.k > done.session.policy.k for r in later)
+    assert sum(r.num_accepted for r in later) / sum(r.k for r in later) > 0.8
+    # a draft as sure where it is wrong: its sure drafts pass at α, and it is asked for the policy's K alone
+    drafting_blind, done_blind, took_blind = _virtual_run(lambda prefix: 0.9)
+    assert done_blind.session.policy.estimates.sure_alpha < 0.9
+    assert max(r.k for r in drafting_blind[len(drafting_blind) // 2:]) <= 3
+    assert took < 0.9 * took_blind
+
+
 @pytest.mark.parametrize("wait_is_queue", [True, False], ids=["queued", "network"])
 def test_time_queued_behind_other_sessions_is_not_counted_as_network_overhead(wait_is_queue):
     # at α = 1/3 speculation pays with a free network; at a 30 ms round trip per call it does not

@@ -32,6 +32,7 @@ from specd.policy import (
     observe,
     predicted_speedup,
     should_fall_back,
+    sure_k,
     verify_time,
 )
 from specd.policy.cost import HOPELESS_JUDGED, pass_time, plain_time
@@ -713,3 +714,31 @@ def test_the_confidence_calibration_learns_what_judged_drafts_scored_and_session
     assert inherit(PolicyState(estimates=after)).estimates.confidence_calibration == after.confidence_calibration
     unreported = observe(state, cpu_round(4, 1), CONFIG).estimates
     assert unreported.confidence_calibration == 1.0
+
+
+def test_the_drafts_the_draft_model_was_sure_of_are_learnt_apart_from_alpha():
+    est = measured(0.6)
+    # sure of its first three, the fourth rejected: α sees 3 of 4, its sure drafts 3 of 3
+    for _ in range(8):
+        est = learn(est, replace(cpu_round(4, 3), sure=3), CONFIG, False, False)
+    assert est.alpha == pytest.approx(0.75, abs=0.03)
+    assert est.sure_alpha > 0.9
+    # one judged beyond the rejection is never counted: sure of three, the second rejected, 1 of 2
+    once = learn(measured(0.6), replace(cpu_round(4, 1), sure=3), CONFIG, False, False)
+    assert (once.sure_accepted, once.sure_tested) == (1, 2)
+    assert learn(measured(0.6), cpu_round(4, 1), CONFIG, False, False).sure_tested == 0  # no stop: no evidence
+
+
+def test_the_draft_model_is_asked_for_the_best_k_of_the_drafts_it_is_sure_of():
+    sure = replace(measured(0.6), sure_accepted=30.0, sure_tested=30.0)
+    k, _ = best_k(sure, CONFIG)
+    asked = sure_k(sure, CONFIG, k)
+    assert asked > k
+    assert asked == max(range(1, CONFIG.max_k + 1), key=lambda c: predicted_speedup(sure, CONFIG, c, sure.sure_alpha))
+    # no evidence, a stop that is off, or a fixed K: the policy's K alone
+    assert sure_k(measured(0.6), CONFIG, k) == k
+    assert sure_k(sure, replace(CONFIG, min_confidence=0.0), k) == k
+    assert sure_k(sure, replace(CONFIG, adaptive=False), k) == k
+    # sure drafts that pass at α add nothing; a batch of eight, whose passes every draft lengthens, fewer
+    assert sure_k(replace(measured(0.6), sure_accepted=18.0, sure_tested=30.0), CONFIG, k) == k
+    assert sure_k(replace(sure, batch=8.0), CONFIG, 1) < asked

@@ -20,6 +20,7 @@ from specd.policy.cost import (
     predicted_speedup,
     round_time,
     should_fall_back,
+    sure_k,
     verify_time,
 )
 from specd.policy.learning import PRIOR_DRAFTS, calibrated, calibration_ks, learn
@@ -29,5 +30,5 @@ __all__ = [
     "CALIBRATION_ROUNDS", "MIN_JUDGED", "PLAIN", "PRIOR_DRAFTS", "SESSION_PROBE_AFTER", "SPECULATIVE",
     "TIMING_EVIDENCE", "Estimates", "PolicyConfig", "PolicyState", "RoundObservation", "best_k", "calibrated",
     "calibration_ks", "expected_tokens", "explore_k", "inherit", "is_measured", "learn", "next_k", "observe",
-    "predicted_speedup", "round_time", "should_fall_back", "verify_time",
+    "predicted_speedup", "round_time", "should_fall_back", "sure_k", "verify_time",
 ]

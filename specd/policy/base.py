@@ -10,6 +10,7 @@ from specd.validation import validate_that
 SPECULATIVE, PLAIN = "speculative", "plain"
 CALIBRATION_ROUNDS = 2  # plain rounds a fresh state may spend measuring verify(0)
 FREE_PRIOR = 2.0  # weight, in drafts, of the prior that a model-free draft's scores are right
+SURE_PRIOR = 2.0  # weight, in drafts, of the prior that a draft the draft model is sure of passes at α
 # The target's confidence (its probability of its own most likely token) at a round's last committed
 # position is evidence on α worth CONFIDENCE_WEIGHT judged drafts: the draft agrees with the target
 # about as often as the target is sure (2-core AVX2 host, 16 prompts: the first 16 tokens' mean
@@ -76,6 +77,7 @@ class RoundObservation:
     free_offered: bool | None = None  # the model-free drafter would take the round from a caught-up draft model (None: not weighed)
     wall_s: float = 0.0  # the target's reply as the loop waited for it (a streamed step: since the last reply)
     confidence: tuple[float, ...] = ()  # the target's confidence at each committed position (empty: not reported)
+    sure: int = 0  # of the K drafts, those the draft model was sure of: it drafted on after each (its confidence stop)
 
 
 @dataclass(frozen=True)
@@ -107,6 +109,8 @@ class Estimates:
     offered_tokens: float = 0.0
     confidence_accepted: float = 0.0  # decayed count of accepted drafts at positions whose target confidence was reported
     confidence_expected: float = 0.0  # decayed sum of the target's confidence at those drafts' positions
+    sure_accepted: float = 0.0  # decayed count of accepted drafts the draft model was sure of (RoundObservation.sure)
+    sure_tested: float = 0.0  # decayed count of those drafts the target judged
     batch: float = 1.0  # sessions sharing the target's passes (up at once, down by EWMA): a round is priced as a pass of them all
     draft_batched: tuple[tuple[int, float], ...] = ()  # the draft step with that many sessions in the passes (> 1)
 
@@ -126,6 +130,13 @@ class Estimates:
     def confidence_calibration(self) -> float:
         """Accepted drafts per unit of the target's confidence at their positions (learning.confidence_hint)."""
         return _calibration(self.confidence_accepted, self.confidence_expected)
+
+    @property
+    def sure_alpha(self) -> float:
+        """Acceptance of the drafts the draft model was sure of, from a prior of α worth SURE_PRIOR drafts:
+        a draft that is sure passes more often than α says (AVX2 host's traces: 0.95-0.98 on every class,
+        where α read 0.93 on code at K = 1)."""
+        return (self.sure_accepted + SURE_PRIOR * self.alpha) / (self.sure_tested + SURE_PRIOR)
 
     @property
     def free_offer_rate(self) -> float:

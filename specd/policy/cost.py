@@ -234,6 +234,20 @@ def _best_k(est: Estimates, config: PolicyConfig) -> tuple[int, float]:
     return max(((k, predicted_speedup(est, config, k)) for k in _candidates(config)), key=lambda ks: (ks[1], -ks[0]))
 
 
+def sure_k(est: Estimates, config: PolicyConfig, k: int) -> int:
+    """K to ask the draft model for where its confidence stop is on: the policy's K, or the best K at the
+    acceptance of drafts the draft model is sure of where that is more. A draft it is not sure of ends
+    the proposal, so the drafts past the policy's K are made only while it stays sure, and those pass
+    at `Estimates.sure_alpha`, not α (priced at this batch, as any round: under load no more pay)."""
+    if not config.adaptive or config.min_confidence == 0.0 or est.sure_tested == 0.0 or not is_measured(est):
+        return k
+    return max(k, derived(est, ("sure_k", config), lambda: _best_k_at(est, config, est.sure_alpha)))
+
+
+def _best_k_at(est: Estimates, config: PolicyConfig, alpha: float) -> int:
+    return max(_candidates(config), key=lambda c: (predicted_speedup(est, config, c, alpha), -c))
+
+
 def _candidates(config: PolicyConfig) -> range | tuple[int]:
     return range(1, config.max_k + 1) if config.adaptive else (config.start_k,)
 

@@ -50,6 +50,7 @@ def learn(
             call = _timed(call, obs.wall_s, w)
     est = learn_calibration(learn_offer(learn_pass(est, obs, w, target_cold), obs, config.alpha_window), obs, judged,
                             config.alpha_window)
+    est = learn_sure(est, obs, config.alpha_window)
     return replace(est, alpha=alpha, draft_step_s=draft_step, draft_batched=batched, catch_up_s=catch_up, rtt_s=rtt,
                    stream_s=stream,
                    plain_call_s=call, plain_streamed_s=streamed,
@@ -119,6 +120,17 @@ def learn_calibration(est: Estimates, obs: RoundObservation, judged: int, window
         return est
     return replace(est, confidence_accepted=decayed(est.confidence_accepted, obs.accepted, window),
                    confidence_expected=decayed(est.confidence_expected, sum(obs.confidence[:judged]), window))
+
+
+def learn_sure(est: Estimates, obs: RoundObservation, window: int) -> Estimates:
+    """The acceptance of the drafts the draft model was sure of (`Estimates.sure_alpha`): of the round's
+    first `obs.sure` drafts, those the target judged and those it accepted, over counts that decay as
+    α's do, a round with such drafts at a time (a property of the pair of models, so sessions inherit it)."""
+    if obs.sure == 0:
+        return est
+    judged, accepted = min(obs.accepted + 1, obs.sure), min(obs.accepted, obs.sure)
+    return replace(est, sure_accepted=decayed(est.sure_accepted, accepted, window),
+                   sure_tested=decayed(est.sure_tested, judged, window))
 
 
 def _learn_acceptance(est: Estimates, obs: RoundObservation, window: int) -> tuple[float, float, int]:
