@@ -206,6 +206,37 @@ def test_the_draft_model_drafts_past_the_policys_k_while_it_is_sure():
     assert took < 0.9 * took_blind
 
 
+@pytest.mark.parametrize("slower", [1.0, 2.2])
+def test_a_host_that_slows_down_evenly_changes_no_decision(slower):
+    # both services 2.2x slower from the 8th pass on, as a busy shared host: a session that only times
+    # the passes it drafts for must not price plain decoding at the quiet host's pass
+    clock, records = VirtualClock(), []
+    drafter = FakeDrafter(draft_rule(50), compute_s=0.02, clock=clock, rpc_s=0.002)
+    verifier = FakeVerifier(target_rule, compute_s=0.055, row_s=0.012, clock=clock, rpc_s=0.002)
+    table = tuple((k, 0.055 + 0.012 * k) for k in range(17))
+    prior = PolicyState(estimates=Estimates(draft_step_s=0.02, rtt_s=0.002, verify_s=table, calibrated_s=table))
+    services = Services(drafter, verifier, FakeStore(learned=prior), clock=clock)
+    verify = verifier.verify
+
+    async def slowing(request):
+        if verifier.calls >= 8:
+            verifier.compute_s, verifier.row_s, drafter.compute_s = 0.055 * slower, 0.012 * slower, 0.02 * slower
+        return await verify(request)
+
+    verifier.verify = slowing
+
+    async def collect():
+        return [e async for e in generate(GenerationRequest(PROMPT, StopRules(150), SamplingParams()), "s", services,
+                                          decode, True, records.append)]
+
+    done = asyncio.run(collect())[-1]
+    assert list(done.token_ids) == target_alone(PROMPT, 150)
+    assert done.session.policy.fallbacks == 0
+    ks = [r.k for r in records]
+    assert min(ks[8:-3]) >= 4  # the K a quiet host runs (6-10 here), not one shrinking toward plain
+    assert done.session.policy.estimates.pace == pytest.approx(slower, rel=0.05)
+
+
 @pytest.mark.parametrize("wait_is_queue", [True, False], ids=["queued", "network"])
 def test_time_queued_behind_other_sessions_is_not_counted_as_network_overhead(wait_is_queue):
     # at α = 1/3 speculation pays with a free network; at a 30 ms round trip per call it does not

@@ -742,3 +742,19 @@ def test_the_draft_model_is_asked_for_the_best_k_of_the_drafts_it_is_sure_of():
     # sure drafts that pass at α add nothing; a batch of eight, whose passes every draft lengthens, fewer
     assert sure_k(replace(measured(0.6), sure_accepted=18.0, sure_tested=30.0), CONFIG, k) == k
     assert sure_k(replace(sure, batch=8.0), CONFIG, 1) < asked
+
+
+def test_a_pass_not_timed_since_calibration_is_priced_at_the_hosts_pace():
+    table = ((0, 0.05), (1, 0.06), (4, 0.09))
+    quiet = Estimates(draft_step_s=0.02, verify_s=table, calibrated_s=table)
+    assert verify_time(quiet, 0) == pytest.approx(0.05)
+    # passes of five positions timed at 1.3x their calibration: the host is slower, plain with it
+    slow = quiet
+    for _ in range(12):
+        slow = learn(slow, RoundObservation(4, 4, 0.08, 0.117, 0.001), CONFIG, False, False)
+    assert slow.pace == pytest.approx(1.3, rel=0.02)
+    assert verify_time(slow, 0) == pytest.approx(0.065, rel=0.02)
+    assert verify_time(slow, 1) == pytest.approx(0.078, rel=0.02)
+    # a faster host lowers no price: noise only adds time
+    fast = learn(quiet, RoundObservation(4, 4, 0.08, 0.07, 0.001), CONFIG, False, False)
+    assert fast.pace < 1.0 and verify_time(fast, 0) == pytest.approx(0.05)

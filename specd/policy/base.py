@@ -111,6 +111,7 @@ class Estimates:
     confidence_expected: float = 0.0  # decayed sum of the target's confidence at those drafts' positions
     sure_accepted: float = 0.0  # decayed count of accepted drafts the draft model was sure of (RoundObservation.sure)
     sure_tested: float = 0.0  # decayed count of those drafts the target judged
+    pace: float | None = None  # recent passes ÷ their start-up calibration (EWMA; None: none timed against it)
     batch: float = 1.0  # sessions sharing the target's passes (up at once, down by EWMA): a round is priced as a pass of them all
     draft_batched: tuple[tuple[int, float], ...] = ()  # the draft step with that many sessions in the passes (> 1)
 

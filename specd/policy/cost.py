@@ -82,7 +82,7 @@ def _pass_time(est: Estimates, k: int) -> float | None:
         return None
     below = _dearest_below(est, k)  # noise must not make more positions cheaper
     if k in points:
-        return max(points[k], below, _at_load(est, points, k))
+        return max(points[k], below, _at_load(est, points, k), _at_pace(est, k))
     slope, intercept = derived(est, ("fit",), lambda: _fit(points))
     floor = max((t * (k + 1) / (km + 1) for km, t in points.items() if km > k), default=0.0)
     return max(intercept + slope * k, floor, below, _line_at_load(est, k))
@@ -98,6 +98,17 @@ def _at_load(est: Estimates, points: dict[int, float], k: int) -> float:
     if calibrated.get(k) is None or points[k] != calibrated[k]:
         return 0.0
     return calibrated[k] * _load_ratio(est, k)
+
+
+def _at_pace(est: Estimates, k: int) -> float:
+    """A pass priced at the host's pace (`Estimates.pace`): its calibration times the learnt ratio of
+    recent passes to their calibration (0.0: k not calibrated, or no pace learnt). A speculative
+    session times only the passes it drafts for, so verify(0) would stay the quiet host's while they
+    and the draft step follow a host that slows down: on the AVX2 host draft steps read 1.5x and
+    passes 1.2x their calibration, plain still at its own, and rounds that paid looked as if they
+    barely did (docs/policy.md)."""
+    calibrated = _calibrated(est).get(k)
+    return calibrated * est.pace if calibrated and est.pace else 0.0
 
 
 def _line_at_load(est: Estimates, k: int) -> float:

@@ -63,17 +63,28 @@ def learn_pass(est: Estimates, obs: RoundObservation, w: float, target_cold: boo
     many sessions the passes serve. A cold pass (this session caught up on more than the round's
     tokens) times a prefill, not a step. A target that does not report its rows: a shared pass's
     time is skipped once the estimates are measured (it covers rows this model cannot count)."""
-    verify_s = est.verify_s
+    verify_s, pace = est.verify_s, est.pace
+    timed = None
     if not target_cold and obs.pass_rows > 0:
-        verify_s = learn_verify(verify_s, obs.pass_rows - 1, obs.verify_s, w)
+        timed = obs.pass_rows - 1
     elif not target_cold and not (obs.target_shared and is_measured(est)):
-        verify_s = learn_verify(verify_s, obs.k, obs.verify_s, w)
+        timed = obs.k
+    if timed is not None:
+        verify_s = learn_verify(verify_s, timed, obs.verify_s, w)
+        pace = _paced(est, pace, timed, obs.verify_s, w)
     # A pass of eight costs eight at once: the batch rises with a pass and falls off over a few (EWMA).
     # It counts the sessions the pass held up, not only those in it: a round that takes a pass of its
     # own beside seven streaming sessions stalls all seven.
     sessions = float(max(obs.batch_size, obs.active_sessions))
     batch = sessions if est.observations == 0 else max(sessions, _ewma(est.batch, sessions, w))
-    return replace(est, verify_s=verify_s, batch=batch)
+    return replace(est, verify_s=verify_s, batch=batch, pace=pace)
+
+
+def _paced(est: Estimates, pace: float | None, k: int, seconds: float, w: float) -> float | None:
+    """The host's pace after a pass of k + 1 positions that took `seconds`: its ratio to the start-up
+    calibration's pass of as many positions, timed as any timing (None: k not calibrated)."""
+    calibrated = dict(est.calibrated_s).get(k)
+    return _timed(pace, seconds / calibrated, w) if calibrated else pace
 
 
 def learn_offer(est: Estimates, obs: RoundObservation, window: int) -> Estimates:
