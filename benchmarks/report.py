@@ -463,6 +463,7 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "load_avx2_s40": load_runs("load_avx2_s40"),
     "load_avx2_s40_after": load_runs("load_avx2_s40_after"),
     "load_avx2_s41": load_runs("load_avx2_s41"),
+    "load_avx2_s42": load_runs("load_avx2_s42"),
     "load_zen4": load_runs("load_zen4"),
     "load_zen4_line": load_runs("load_zen4_line"),
     "load_zen4_guided": load_runs("load_zen4_guided"),
