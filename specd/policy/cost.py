@@ -63,7 +63,8 @@ def pass_time(est: Estimates, k: int) -> float | None:
     or PRIOR_SLOPE through a single point. Never below a measured pass of fewer positions, nor
     below what a batched pass can cost: k + 1 positions at once cost at most k + 1 times one
     position; a measurement still at its start-up calibration is priced at the learnt load
-    (`_at_load`). None when nothing is measured.
+    (`_at_load`), and any measured pass at least at its calibration times the host's pace
+    (`_at_pace`). None when nothing is measured.
     Derived once per estimates and k."""
     return derived(est, ("pass", k), lambda: _pass_time(est, k))
 
