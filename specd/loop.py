@@ -500,7 +500,7 @@ def _asked_k(request: GenerationRequest, policy: PolicyState, k: int, remaining:
     not sure of), within what the request may still make. A probe stays at its K: it measures α."""
     if request.fixed_k is not None or policy.mode == PLAIN:
         return k
-    return max(k, min(sure_k(policy.estimates, request.policy, k), remaining - 1))
+    return min(sure_k(policy.estimates, request.policy, k), remaining - 1)  # >= k: so are both
 
 
 def _min_confidence(request: GenerationRequest) -> float:

@@ -240,10 +240,12 @@ def best_k(est: Estimates, config: PolicyConfig) -> tuple[int, float]:
     return derived(est, ("best_k", config), lambda: _best_k(est, config))
 
 
-def _best_k(est: Estimates, config: PolicyConfig) -> tuple[int, float]:
+def _best_k(est: Estimates, config: PolicyConfig, alpha: float | None = None) -> tuple[int, float]:
+    """`best_k`, or were α `alpha`."""
     if not is_measured(est):
         return config.start_k, math.nan
-    return max(((k, predicted_speedup(est, config, k)) for k in _candidates(config)), key=lambda ks: (ks[1], -ks[0]))
+    return max(((k, predicted_speedup(est, config, k, alpha)) for k in _candidates(config)),
+               key=lambda ks: (ks[1], -ks[0]))
 
 
 def sure_k(est: Estimates, config: PolicyConfig, k: int) -> int:
@@ -253,11 +255,7 @@ def sure_k(est: Estimates, config: PolicyConfig, k: int) -> int:
     at `Estimates.sure_alpha`, not α (priced at this batch, as any round: under load no more pay)."""
     if not config.adaptive or config.min_confidence == 0.0 or est.sure_tested == 0.0 or not is_measured(est):
         return k
-    return max(k, derived(est, ("sure_k", config), lambda: _best_k_at(est, config, est.sure_alpha)))
-
-
-def _best_k_at(est: Estimates, config: PolicyConfig, alpha: float) -> int:
-    return max(_candidates(config), key=lambda c: (predicted_speedup(est, config, c, alpha), -c))
+    return max(k, derived(est, ("sure_k", config), lambda: _best_k(est, config, est.sure_alpha)[0]))
 
 
 def _candidates(config: PolicyConfig) -> range | tuple[int]:
