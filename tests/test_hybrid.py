@@ -305,6 +305,22 @@ def test_under_load_a_draft_is_priced_by_the_pass_it_joins_and_the_wait_it_adds_
     assert hybrid.choose(hybrid.AUTO, alone, CONFIG, 0, [0.9]) == (hybrid.FREE, 1)
 
 
+def test_under_load_a_caught_up_draft_model_drafts_only_where_a_draft_always_right_could_pay():
+    """Eight sessions at once on one host's cores: a caught-up draft model's round at K = 4 takes its
+    steps from all eight passes and joins one they all wait for, and at these timings not even a
+    draft that is always right beats a plain step. The round takes no
+    draft, as the fallback's ceiling would decide only after TIMING_EVIDENCE rounds (on an AVX-512
+    host one session of eight drafted its first four rounds so, and every pass they joined ran
+    slower for all eight). Alone, the same draft model drafts; asked for by name, it drafts anyway."""
+    table = tuple((rows - 1, ms / 1e3) for rows, ms in LOADED_PASS.items())
+    alone = Estimates(alpha=0.9, draft_step_s=0.017, verify_s=table, rtt_s=0.011, stream_s=0.003, observations=2)
+    loaded, config = replace(alone, batch=8.0), replace(CONFIG, draft_contends=True)
+    assert cost.could_pay(alone, config, 1.0) and not cost.could_pay(loaded, config, 1.0)
+    assert hybrid.choose(hybrid.AUTO, alone, config, 4, [], lag=2) == (hybrid.MODEL, 4)
+    assert hybrid.choose(hybrid.AUTO, loaded, config, 4, [], lag=2) == (hybrid.NONE, 0)
+    assert hybrid.choose(hybrid.MODEL, loaded, config, 4, [], lag=2) == (hybrid.MODEL, 4)
+
+
 def test_where_the_table_is_a_line_the_pass_a_draft_joins_costs_as_if_every_session_drafted_alike():
     line = Estimates(alpha=0.7, draft_step_s=0.017, verify_s=tuple((k, 0.04 + 0.006 * k) for k in range(40)),
                      rtt_s=0.01, observations=50, batch=8.0)

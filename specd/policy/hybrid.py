@@ -77,7 +77,9 @@ def choose(drafter: str, est: Estimates, config: PolicyConfig, k: int, scores: S
     the session's `probe_credit` (plain steps) covers its cost and a draft that is always right would
     repay its catch-up (`probe_repays`): it is there to measure α on this text, and pricing it by the
     α it is to measure would keep it from ever running. Otherwise, and under load (its catch-up stalls
-    every session of the pass), it is priced like any round."""
+    every session of the pass), it is priced like any round; and under load the draft model drafts only
+    where a draft that is always right could beat a plain step (`cost.could_pay`), not for the rounds
+    the fallback's verdict waits for."""
     if drafter == NONE:
         return NONE, 0
     probing = probe and drafter == AUTO and k > 0 and batch_sessions(est) == 1
@@ -90,6 +92,8 @@ def choose(drafter: str, est: Estimates, config: PolicyConfig, k: int, scores: S
     rate = model_rate(est, config, k, lag, remaining, exit_s) if k > 0 and is_measured(est) else math.nan
     if lag > CAUGHT_UP and not math.isnan(rate) and rate < 1 / plain_time(est):
         k = 0  # the draft model's catch-up does not pay back in what is left of this request
+    if k > 0 and batch_sessions(est) > 1 and not could_pay(est, config, 1.0):
+        k = 0  # under load not even a draft always right would beat a plain step: the fallback's ceiling, each round
     if m == 0:  # auto, and no model-free draft pays
         return (MODEL, k) if k > 0 else (NONE, 0)
     if k == 0 or math.isnan(free_rate):  # it pays against a plain step; nothing measured to weigh
