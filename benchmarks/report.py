@@ -151,8 +151,8 @@ def _verdict(verdicts: list[bool | None]) -> str:
     return "reference only" if verdicts[0] else "held-out only"
 
 
-def goals(results: Path) -> str:
-    runs = [load(results, "bench_llama"), load(results, "bench_llama_heldout")]
+def goals(results: Path, reference: str = "bench_llama", held_out: str = "bench_llama_heldout") -> str:
+    runs = [load(results, reference), load(results, held_out)]
     grouped = [_grouped(run["goals"]) for run in runs]
     rows = []
     for what, by_scope in grouped[0].items():
@@ -450,12 +450,16 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "bench_llama": llama("bench_llama"),
     "bench_llama_heldout": llama("bench_llama_heldout"),
     "bench_llama_avx2": llama("bench_llama_avx2"),
+    "bench_llama_xeon": llama("bench_llama_xeon"),
+    "bench_llama_heldout_xeon": llama("bench_llama_heldout_xeon"),
     "bench_repeat": llama("bench_repeat"),
     "bench_repeat_heldout": llama("bench_repeat_heldout"),
     "bench_repeat_target_alone": llama("bench_repeat_target_alone"),
     "bench_repeat_avx2": llama("bench_repeat_avx2"),
+    "bench_repeat_xeon": llama("bench_repeat_xeon"),
     "round_parts": round_parts,
     "round_parts_avx2": lambda results: round_parts(results, "round_parts_avx2"),
+    "round_parts_xeon": lambda results: round_parts(results, "round_parts_xeon"),
     "load_avx2": load_runs("load_avx2"),
     "load_avx2_contends": load_runs("load_avx2_contends"),
     "load_avx2_atload": load_runs("load_avx2_atload"),
@@ -468,7 +472,10 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "load_zen4_line": load_runs("load_zen4_line"),
     "load_zen4_guided": load_runs("load_zen4_guided"),
     "load_zen4_s39": load_runs("load_zen4_s39"),
+    "load_xeon": load_runs("load_xeon"),
+    "load_xeon_after": load_runs("load_xeon_after"),
     "goals": goals,
+    "goals_xeon": lambda results: goals(results, "bench_llama_xeon", "bench_llama_heldout_xeon"),
     "rows": rows,
     "head_vocab": head_vocab,
     "chaos": chaos,
