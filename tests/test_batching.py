@@ -196,6 +196,34 @@ def test_a_pass_reports_the_sessions_it_holds_up_not_only_those_in_it():
     assert batcher.batches == 4 and active == [3, 4, 1, 1]
 
 
+def test_a_pass_counts_the_sessions_that_queued_behind_it_as_held_up():
+    """a's call runs alone; b and c arrive while it runs and wait for it: its pass held up all three.
+    (On a Xeon, eight sessions at once: the one whose prefill ran alone read the batch as one and
+    drafted into the pass the other seven's prefills then shared.)"""
+    worker = EngineWorker("test-held")
+    held: list[int] = []
+
+    def run_batch(items: list[str]) -> list[str]:
+        while items == ["a1"] and batcher.waiting < 2:
+            time.sleep(0.005)
+        held.append(batcher.held_up())
+        return items
+
+    batcher = Batcher(worker, run_batch, key=lambda item: item[0], batching=Batching(wait=0.0))
+
+    async def main():
+        first = asyncio.ensure_future(batcher.submit("a1"))
+        while batcher.batches < 1:
+            await asyncio.sleep(0.005)
+        await asyncio.gather(first, *(batcher.submit(f"{s}1") for s in "bc"))
+
+    try:
+        asyncio.run(main())
+    finally:
+        worker.close()
+    assert batcher.batches == 2 and held == [3, 3]
+
+
 @pytest.mark.parametrize("wait", [0.2, 0.0])
 def test_a_turn_waits_briefly_for_the_sessions_the_last_turns_took(wait):
     """a and b shared a pass; b now comes 50 ms after a (its reply from the other service was a

@@ -136,6 +136,13 @@ class Batcher(Generic[T, R]):
         """Calls queued for a coming worker turn."""
         return len(self._queue)
 
+    def held_up(self) -> int:
+        """The sessions the running pass holds up: those the last turns took (`active`) and those
+        that queued behind it. Read at the pass's end; a pass that ran alone while others arrived
+        held them all up, and a round priced as a session alone would draft into their next pass."""
+        with self._arrived:
+            return len(set(self._seen) | {self.key(item) for item, _ in self._queue})
+
     @property
     def idle(self) -> bool:
         """Nothing queued and no turn running."""

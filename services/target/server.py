@@ -97,9 +97,9 @@ class TargetServicer(ModelServicer[VerifyRequest, VerifyReply], target_pb2_grpc.
         return await self.submit(request)
 
     def _engine_batch(self, requests: list[VerifyRequest]) -> list[VerifyReply | Exception]:
-        active = self.batcher.active  # this turn's sessions among them
-        return [r if isinstance(r, Exception) else replace(r, active_sessions=active)
-                for r in self.role_engine.verify(requests)]
+        replies = self.role_engine.verify(requests)
+        active = self.batcher.held_up()  # this turn's sessions among them, and those queued behind it
+        return [r if isinstance(r, Exception) else replace(r, active_sessions=active) for r in replies]
 
     def _stage(self, request: VerifyRequest) -> str:
         return "verify" if request.proposal.tokens else "step"
