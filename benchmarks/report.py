@@ -474,6 +474,7 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "load_zen4_s39": load_runs("load_zen4_s39"),
     "load_xeon": load_runs("load_xeon"),
     "load_xeon_after": load_runs("load_xeon_after"),
+    "load_xeon_held": load_runs("load_xeon_held"),
     "goals": goals,
     "goals_xeon": lambda results: goals(results, "bench_llama_xeon", "bench_llama_heldout_xeon"),
     "rows": rows,
