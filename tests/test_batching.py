@@ -175,7 +175,7 @@ def test_a_pass_reports_the_sessions_it_holds_up_not_only_those_in_it():
     two turns gone, d alone."""
     worker = EngineWorker("test-active")
     active: list[int] = []
-    batcher = Batcher(worker, lambda items: active.append(batcher.active) or items, key=lambda item: item[0],
+    batcher = Batcher(worker, lambda items: active.append(batcher.held_up()) or items, key=lambda item: item[0],
                       batching=Batching(wait=0.0))
 
     async def main():

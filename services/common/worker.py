@@ -127,9 +127,6 @@ class Batcher(Generic[T, R]):
         self._arrived = threading.Condition()  # the worker thread waits on it for missing keys
         self._seen: dict[Hashable, int] = {}  # key -> the turn that last took it
         self._pass_s = 0.0  # recent run_batch time
-        # keys the last GATHER_TURNS turns took, the running one's included (read during run_batch): the
-        # sessions a pass now holds up, whether or not they share it
-        self.active = 0
 
     @property
     def waiting(self) -> int:
@@ -137,9 +134,10 @@ class Batcher(Generic[T, R]):
         return len(self._queue)
 
     def held_up(self) -> int:
-        """The sessions the running pass holds up: those the last turns took (`active`) and those
-        that queued behind it. Read at the pass's end; a pass that ran alone while others arrived
-        held them all up, and a round priced as a session alone would draft into their next pass."""
+        """The sessions the running pass holds up, whether or not they share it: those the last
+        GATHER_TURNS turns took, the running one's included, and those that queued behind it. A
+        pass that ran alone while others arrived held them all up, and a round priced as a session
+        alone would draft into their next pass."""
         with self._arrived:
             return len(set(self._seen) | {self.key(item) for item, _ in self._queue})
 
@@ -190,7 +188,6 @@ class Batcher(Generic[T, R]):
                 self.batches += 1
                 self._seen = {key: turn for key, turn in self._seen.items() if turn > self.batches - GATHER_TURNS}
                 self._seen.update((key, self.batches) for key in keys)
-                self.active = len(self._seen)
         if not taken:
             return []
         self.largest = max(self.largest, len(taken))

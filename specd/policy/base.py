@@ -71,7 +71,7 @@ class RoundObservation:
     target_cold: bool = False  # the target did: its verify_s is not a decode step
     target_shared: bool = False  # other sessions' verifications shared the target's pass: verify_s timed theirs too
     batch_size: int = 1  # sessions in the target's pass
-    active_sessions: int = 1  # sessions the target's last passes served and those queued behind this one: what its pass held up
+    active_sessions: int = 1  # sessions the target's last passes served or queued behind this one: what it held up
     pass_rows: int = 0  # positions that pass fed, every session's: what verify_s paid for (0: not reported)
     streamed: bool = False  # a plain step of a Decode stream: no RPC of its own, so rtt_s says nothing
     free_offered: bool | None = None  # the model-free drafter would take the round from a caught-up draft model (None: not weighed)
