@@ -451,6 +451,7 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "bench_llama_heldout": llama("bench_llama_heldout"),
     "bench_llama_avx2": llama("bench_llama_avx2"),
     "bench_llama_xeon": llama("bench_llama_xeon"),
+    "bench_llama_xeon_head": llama("bench_llama_xeon_head"),
     "bench_llama_heldout_xeon": llama("bench_llama_heldout_xeon"),
     "bench_repeat": llama("bench_repeat"),
     "bench_repeat_heldout": llama("bench_repeat_heldout"),
