@@ -35,7 +35,7 @@ from specd.policy import (
     sure_k,
     verify_time,
 )
-from specd.policy.cost import HOPELESS_JUDGED, pass_time, plain_time
+from specd.policy.cost import HOPELESS_JUDGED, batch_sessions, pass_time, plain_time
 from specd.policy.learning import learn
 from specd.policy.base import PROBE_SHARE
 from specd.policy import modes
@@ -477,6 +477,24 @@ def test_a_due_probe_that_no_outcome_could_make_decisive_is_checked_every_few_ro
     assert ks[-1] == 4 and len(sweeps) <= rounds // modes.PROBE_RECHECK + 2
     first_decisive = next(i for i, est in enumerate(seen) if real(est, config))  # checked every round
     assert rounds - 1 <= first_decisive + 1 + modes.PROBE_RECHECK
+
+
+def test_under_load_a_due_probe_the_batch_refuses_is_checked_every_few_rounds(monkeypatch):
+    """Eight sessions at once: a plain session's probe falls due and is decisive, but the round goes
+    without it (under load hybrid.choose prices it as any round: the batch refused it, or a model-free
+    draft paid more), so the probe stays due. Its check, a sweep of the cost model, then runs again
+    after PROBE_RECHECK rounds, not every round: on a 2-core host every plain session's every round
+    took it from the target's passes (the coordinator 0.28 ms of CPU a token over plain decoding)."""
+    state = PolicyState(mode=PLAIN, estimates=observe(PolicyState(estimates=measured(0.7)), batched_round(0, 0, 8),
+                                                      CONFIG).estimates, plain_rounds_until_probe=0, probe_interval=16)
+    assert batch_sessions(state.estimates) > 1 and decisive_probe_k(state.estimates, CONFIG) > 0
+    sweeps = []
+    real = modes._decisive_probe_k
+    monkeypatch.setattr(modes, "_decisive_probe_k", lambda est, cfg: sweeps.append(1) or real(est, cfg))
+    rounds = 40
+    for _ in range(rounds):
+        state = observe(state, batched_round(0, 0, 8), CONFIG)  # a round without the probe
+    assert state.mode == PLAIN and len(sweeps) <= rounds // modes.PROBE_RECHECK + 2
 
 
 def test_a_probe_that_could_not_change_the_mode_is_not_run_until_its_evidence_has_aged():

@@ -9,8 +9,8 @@ from dataclasses import replace
 
 from specd.policy.base import (CALIBRATION_ROUNDS, PLAIN, PROBE_SHARE, SPECULATIVE, Estimates, PolicyConfig, PolicyState,
                                RoundObservation)
-from specd.policy.cost import (best_k, best_speedup_at, derived, explore_k, is_measured, plain_time, should_fall_back,
-                               verify_time)
+from specd.policy.cost import (batch_sessions, best_k, best_speedup_at, derived, explore_k, is_measured, plain_time,
+                               should_fall_back, verify_time)
 from specd.policy.learning import PRIOR_DRAFTS, alpha_after, learn
 
 SESSION_PROBE_AFTER = 1  # plain rounds (the prompt's prefill) before a new plain-mode session probes
@@ -98,8 +98,11 @@ def observe(state: PolicyState, obs: RoundObservation, config: PolicyConfig) -> 
 def counted_down(state: PolicyState, config: PolicyConfig) -> int:
     """Plain rounds left before the probe after a plain round: one fewer, or PROBE_RECHECK where the
     probe is due but none would be decisive (`decisive_probe_k`: the text or the load says no draft
-    pays), so that check, a sweep of the cost model, runs every few rounds rather than every one
-    (under load, every plain session's every round: 0.4 ms of a 2-core host's Python a round)."""
+    pays), or where it was due under load and the round went without it (hybrid.choose prices a
+    probe there as any round), so that check, a sweep of the cost model, runs every few rounds rather
+    than every one (under load, every plain session's every round: 0.4 ms of a 2-core host's Python a round)."""
+    if state.plain_rounds_until_probe <= 0 and batch_sessions(state.estimates) > 1:
+        return PROBE_RECHECK
     countdown = max(0, state.plain_rounds_until_probe - 1)
     return PROBE_RECHECK if countdown == 0 and decisive_probe_k(state.estimates, config) == 0 else countdown
 
