@@ -282,6 +282,22 @@ def rows(results: Path) -> str:
     return head + table(["rows", *counts, "decoding", "llama-server"], body)
 
 
+def rows_against(name: str) -> Callable[[Path], str]:
+    """A `benchmarks.rows --against REV` run: this checkout's kernels and REV's, pass by pass."""
+    def render(results: Path) -> str:
+        run = load(results, name)
+        counts = list(run["pass_s"])
+        extra = run["extra_row_s"]
+        head = para(f"`results/{name}.json`: {run['model']}, {run['machine']['cpu']} "
+                    f"({'/'.join(run['machine']['vector_extensions'])}), {run['threads']} threads, medians of "
+                    f"{run['repeats']}, the two builds' passes in turn:") + "\n"
+        body = [[label, *(f"{run[key][n] * 1e3:.1f}" for n in counts), f"{extra[which] * 1e3:.2f}"]
+                for label, key, which in (("this checkout", "pass_s", "this"),
+                                          (f"against {run['against']['commit'][:7]}", "against_pass_s", "against"))]
+        return head + table(["pass ms by rows", *counts, "extra row ms (to 5 rows)"], body)
+    return render
+
+
 def head_vocab(results: Path) -> str:
     run = load(results, "head_vocab")
     sizes = list(run["step_s"])
@@ -450,6 +466,8 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "bench_llama": llama("bench_llama"),
     "bench_llama_heldout": llama("bench_llama_heldout"),
     "bench_llama_avx2": llama("bench_llama_avx2"),
+    "bench_llama_zen2": llama("bench_llama_zen2"),
+    "bench_llama_zen2_asm": llama("bench_llama_zen2_asm"),
     "bench_llama_xeon": llama("bench_llama_xeon"),
     "bench_llama_xeon_head": llama("bench_llama_xeon_head"),
     "bench_llama_heldout_xeon": llama("bench_llama_heldout_xeon"),
@@ -461,6 +479,7 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "round_parts": round_parts,
     "round_parts_avx2": lambda results: round_parts(results, "round_parts_avx2"),
     "round_parts_xeon": lambda results: round_parts(results, "round_parts_xeon"),
+    "round_parts_zen2": lambda results: round_parts(results, "round_parts_zen2"),
     "load_avx2": load_runs("load_avx2"),
     "load_avx2_contends": load_runs("load_avx2_contends"),
     "load_avx2_atload": load_runs("load_avx2_atload"),
@@ -469,6 +488,8 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "load_avx2_s40_after": load_runs("load_avx2_s40_after"),
     "load_avx2_s41": load_runs("load_avx2_s41"),
     "load_avx2_s42": load_runs("load_avx2_s42"),
+    "load_zen2": load_runs("load_zen2"),
+    "load_zen2_recheck": load_runs("load_zen2_recheck"),
     "load_zen4": load_runs("load_zen4"),
     "load_zen4_line": load_runs("load_zen4_line"),
     "load_zen4_guided": load_runs("load_zen4_guided"),
@@ -479,6 +500,7 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "goals": goals,
     "goals_xeon": lambda results: goals(results, "bench_llama_xeon", "bench_llama_heldout_xeon"),
     "rows": rows,
+    "rows_zen2": rows_against("rows_zen2"),
     "head_vocab": head_vocab,
     "chaos": chaos,
     "chaos_real": lambda results: chaos(results, "chaos_real"),
