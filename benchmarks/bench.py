@@ -56,7 +56,7 @@ from transformers import AutoModelForCausalLM
 from transformers.generation.streamers import BaseStreamer
 
 from benchmarks import common, llama_server
-from benchmarks.common import machine, rss_bytes, specd_up, write
+from benchmarks.common import machine, rss_bytes, specd_up, vector_extensions, write
 from benchmarks.summary import (
     HF_ASSISTED, HF_PLAIN, LLAMA_NGRAM, LLAMA_PLAIN, LLAMA_SPEC, PLAIN, Measured, class_summary, goals, plot, rounded,
     STAT_FIELDS, service_configs,
@@ -414,7 +414,7 @@ def _result(cfg, prompts, runs, probes, scaling, duration_s, rss) -> dict:
         "rss_gb": rss,
         "classes": classes,
         "concurrency": scaling and {k: v for k, v in scaling.items() if k != "runs"},
-        "goals": goals(classes, scaling, rss),
+        "goals": goals(classes, scaling, rss, vector_extensions()),
         "prefill_probes_s": rounded(probes),
         "runs": [_run_json(r) for r in runs + (scaling["runs"] if scaling else [])],
         "plots": [p.name for p in plots],  # next to this file
