@@ -1034,9 +1034,8 @@ INLINE void pk_qk45(const pk_args *A, const int R, const int P, const int HIGH)
 #else
             /* dot's int16 halves sum maddubs pairs (each |.| <= 2 * 15 * 127, or 2 * 31 * 127 for
              * Q5_K) over 4 c (Q5_K: 2), below 2^15, so any order of the adds gives the same sums; one
-             * madd then applies the scale and joins the halves. Each broadcast is spent before the
-             * next is made, and the scale read after the c loop: a tile of 5 x 2 keeps its dots, its
-             * weight vectors and one broadcast in the 16 registers. */
+             * madd then applies the scale and joins the halves. Tiles of several rows by 2 strips
+             * take q4k_step, which keeps their dots in registers. */
             vi dot[PK_TILE][PK_P];
             UNROLL for (int r = 0; r < R; r++)
                 UNROLL for (int p = 0; p < P; p++) dot[r][p] = vzero();
