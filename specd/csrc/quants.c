@@ -948,14 +948,13 @@ typedef struct {
     "vpaddw %[m], %[d" #r "0], %[d" #r "0]\n\t"                                                      \
     "vpmaddubsw %[t], %[hi1], %[m]\n\t"                                                              \
     "vpaddw %[m], %[d" #r "1], %[d" #r "1]\n\t"
-/* the two strips are the halves of one panel: the second's vector 32 bytes after the first's */
 #define Q4K_DECODE                                                                                   \
-    "prefetcht0 1024(%[w])\n\t"                                                                      \
-    "vmovdqu (%[w]), %[hi0]\n\t"                                                                     \
+    "prefetcht0 1024(%[w0])\n\t"                                                                     \
+    "vmovdqu (%[w0]), %[hi0]\n\t"                                                                    \
     "vpand %[m4], %[hi0], %[lo0]\n\t"                                                                \
     "vpsrlw $4, %[hi0], %[hi0]\n\t"                                                                  \
     "vpand %[m4], %[hi0], %[hi0]\n\t"                                                                \
-    "vmovdqu 32(%[w]), %[hi1]\n\t"                                                                   \
+    "vmovdqu (%[w1]), %[hi1]\n\t"                                                                    \
     "vpand %[m4], %[hi1], %[lo1]\n\t"                                                                \
     "vpsrlw $4, %[hi1], %[hi1]\n\t"                                                                  \
     "vpand %[m4], %[hi1], %[hi1]\n\t"
@@ -968,18 +967,19 @@ typedef struct {
 #define Q4K_X2 "(%[x],%[xs],2)"
 #define Q4K_X3 "(%[x3])"
 #define Q4K_X4 "(%[x3],%[xs],1)"
-INLINE void q4k_step(const int R, vi dot[][PK_P], const uint8_t *w, const uint8_t *x, int64_t xs, const vi *m4)
+INLINE void q4k_step(const int R, vi dot[][PK_P], const uint8_t *w0, const uint8_t *w1, const uint8_t *x, int64_t xs,
+                     const vi *m4)
 {
     vi lo0, hi0, lo1, hi1, t, m;
     const uint8_t *x3 = x + 3 * xs;
     if (R == 2)
         __asm__(Q4K_DECODE Q4K_ROW(Q4K_X0, 0) Q4K_ROW(Q4K_X1, 1)
                 : Q4K_DOTS(0), Q4K_DOTS(1), Q4K_NIBBLES_OUT, Q4K_SCRATCH
-                : [w] "r"(w), [m4] "m"(*m4), [x] "r"(x), [xs] "r"(xs));
+                : [w0] "r"(w0), [w1] "r"(w1), [m4] "m"(*m4), [x] "r"(x), [xs] "r"(xs));
     else
         __asm__(Q4K_DECODE Q4K_ROW(Q4K_X0, 0) Q4K_ROW(Q4K_X1, 1) Q4K_ROW(Q4K_X2, 2)
                 : Q4K_DOTS(0), Q4K_DOTS(1), Q4K_DOTS(2), Q4K_NIBBLES_OUT, Q4K_SCRATCH
-                : [w] "r"(w), [m4] "m"(*m4), [x] "r"(x), [xs] "r"(xs));
+                : [w0] "r"(w0), [w1] "r"(w1), [m4] "m"(*m4), [x] "r"(x), [xs] "r"(xs));
     if (R == 4)
         __asm__(Q4K_ROW(Q4K_X3, 3)
                 : Q4K_DOTS(3), Q4K_SCRATCH
@@ -1044,7 +1044,8 @@ INLINE void pk_qk45(const pk_args *A, const int R, const int P, const int HIGH)
                 const uint8_t *x0 = A->x + b * (int64_t)sizeof(gg_q8_K) + 4 + 32 * j + 4 * c;
 #if Q4K_ASM
                 if (!HIGH && P == 2 && R >= 2) {
-                    q4k_step(R, dot, qp[0] + b * QB + (4 * j + c) * 64, x0, A->xs, &m4);
+                    const int64_t at = b * QB + (4 * j + c) * 64;
+                    q4k_step(R, dot, qp[0] + at, qp[1] + at, x0, A->xs, &m4);
                 } else
 #endif
                 {
