@@ -63,10 +63,16 @@ def pass_time(est: Estimates, k: int) -> float | None:
     or PRIOR_SLOPE through a single point. Never below a measured pass of fewer positions, nor
     below what a batched pass can cost: k + 1 positions at once cost at most k + 1 times one
     position; a measurement still at its start-up calibration is priced at the learnt load
-    (`_at_load`), and any measured pass at least at its calibration times the host's pace
-    (`_at_pace`). None when nothing is measured.
-    Derived once per estimates and k."""
-    return derived(est, ("pass", k), lambda: _pass_time(est, k))
+    (`_Passes.at_load`), and any measured pass at least at its calibration times the host's pace
+    (`_Passes.at_pace`). None when nothing is measured.
+    Priced once per estimates and k."""
+    passes = derived(est, ("passes",), lambda: _Passes(est))
+    if not passes.points:
+        return None
+    priced = passes.priced.get(k)
+    if priced is None:
+        priced = passes.priced[k] = passes.price(k)
+    return priced
 
 
 def derived(est: Estimates, key: tuple, compute: Callable[[], T]) -> T:
@@ -77,71 +83,65 @@ def derived(est: Estimates, key: tuple, compute: Callable[[], T]) -> T:
     return memo[key]
 
 
-def _pass_time(est: Estimates, k: int) -> float | None:
-    points = derived(est, ("points",), lambda: dict(est.verify_s))
-    if not points:
-        return None
-    below = _dearest_below(est, k)  # noise must not make more positions cheaper
-    if k in points:
-        return max(points[k], below, _at_load(est, points, k), _at_pace(est, k))
-    slope, intercept = derived(est, ("fit",), lambda: _fit(points))
-    floor = max((t * (k + 1) / (km + 1) for km, t in points.items() if km > k), default=0.0)
-    return max(intercept + slope * k, floor, below, _line_at_load(est, k))
+class _Passes:
+    """What `pass_time` reads off one estimates' tables, read once: a round's decisions price a pass
+    at every K they weigh (under load, B sessions' positions at each), and the coordinator shares a
+    2-core host's cores with the target's passes."""
 
+    def __init__(self, est: Estimates):
+        self.points = dict(est.verify_s)
+        self.calibrated = dict(est.calibrated_s)
+        self.pace = est.pace
+        self.ks = sorted(self.points)
+        self.ts = [self.points[km] for km in self.ks]
+        self.peaks = _running_peaks(est.verify_s)
+        self.load_peaks = _running_peaks((km, t / self.calibrated[km]) for km, t in est.verify_s
+                                         if self.calibrated.get(km) not in (None, t, 0.0))
+        self.fit = _fit(self.points) if self.points else (0.0, 0.0)
+        self.calibrated_fit = _fit(self.calibrated) if self.calibrated else (0.0, 0.0)
+        self.priced: dict[int, float] = {}
 
-def _at_load(est: Estimates, points: dict[int, float], k: int) -> float:
-    """A pass still at its start-up calibration, priced at the load the learnt passes of fewer positions
-    show: its calibration times the largest ratio of such a pass to its own calibration (0.0: k was
-    timed since, or nothing below it was). Under load a session times the batch's passes, T(B - 1),
-    while the rest of the table stays the quiet host's: read side by side, one more position beside
-    the batch would look free (its pass priced below the one it joins, lifted only to it)."""
-    calibrated = _calibrated(est)
-    if calibrated.get(k) is None or points[k] != calibrated[k]:
-        return 0.0
-    return calibrated[k] * _load_ratio(est, k)
+    def price(self, k: int) -> float:
+        points = self.points
+        below = _peak_below(self.peaks, k)  # noise must not make more positions cheaper
+        if k in points:
+            return max(points[k], below, self.at_load(k), self.at_pace(k))
+        slope, intercept = self.fit
+        above = bisect.bisect_right(self.ks, k)
+        floor = max((t * (k + 1) / (km + 1) for km, t in zip(self.ks[above:], self.ts[above:])), default=0.0)
+        return max(intercept + slope * k, floor, below, self.line_at_load(k))
 
+    def at_load(self, k: int) -> float:
+        """A pass still at its start-up calibration, priced at the load the learnt passes of fewer positions
+        show: its calibration times the largest ratio of such a pass to its own calibration (0.0: k was
+        timed since, or nothing below it was). Under load a session times the batch's passes, T(B - 1),
+        while the rest of the table stays the quiet host's: read side by side, one more position beside
+        the batch would look free (its pass priced below the one it joins, lifted only to it)."""
+        calibrated = self.calibrated.get(k)
+        if calibrated is None or self.points[k] != calibrated:
+            return 0.0
+        return calibrated * _peak_below(self.load_peaks, k)
 
-def _at_pace(est: Estimates, k: int) -> float:
-    """A pass priced at the host's pace (`Estimates.pace`): its calibration times the learnt ratio of
-    recent passes to their calibration (0.0: k not calibrated, or no pace learnt). A speculative
-    session times only the passes it drafts for, so verify(0) would stay the quiet host's while they
-    and the draft step follow a host that slows down: on the AVX2 host draft steps read 1.5x and
-    passes 1.2x their calibration, plain still at its own, and rounds that paid looked as if they
-    barely did (docs/policy.md)."""
-    calibrated = _calibrated(est).get(k)
-    return calibrated * est.pace if calibrated and est.pace else 0.0
+    def at_pace(self, k: int) -> float:
+        """A pass priced at the host's pace (`Estimates.pace`): its calibration times the learnt ratio of
+        recent passes to their calibration (0.0: k not calibrated, or no pace learnt). A speculative
+        session times only the passes it drafts for, so verify(0) would stay the quiet host's while they
+        and the draft step follow a host that slows down: on the AVX2 host draft steps read 1.5x and
+        passes 1.2x their calibration, plain still at its own, and rounds that paid looked as if they
+        barely did (docs/policy.md)."""
+        calibrated = self.calibrated.get(k)
+        return calibrated * self.pace if calibrated and self.pace else 0.0
 
-
-def _line_at_load(est: Estimates, k: int) -> float:
-    """A pass never timed (beyond the table: B sessions' drafts), priced as `_at_load` prices a
-    calibrated one: the calibration's own line at k times the load the learnt passes of fewer
-    positions show (0.0: no calibration). The line through the table alone mixes learnt passes with
-    the quiet host's, so past the table it grows at the quiet rate while the pass it is weighed
-    against is priced at the load."""
-    calibrated = _calibrated(est)
-    if not calibrated:
-        return 0.0
-    slope, intercept = derived(est, ("calibrated fit",), lambda: _fit(calibrated))
-    return (intercept + slope * k) * _load_ratio(est, k)
-
-
-def _calibrated(est: Estimates) -> dict[int, float]:
-    return derived(est, ("calibrated",), lambda: dict(est.calibrated_s))
-
-
-def _load_ratio(est: Estimates, k: int) -> float:
-    """The largest ratio of a learnt pass of fewer than k + 1 positions to its calibration (0.0: none)."""
-    def peaks() -> tuple[list[int], list[float]]:
-        calibrated = _calibrated(est)
-        return _running_peaks((km, t / calibrated[km]) for km, t in est.verify_s
-                              if calibrated.get(km) not in (None, t, 0.0))
-    return _peak_below(derived(est, ("load ratios",), peaks), k)
-
-
-def _dearest_below(est: Estimates, k: int) -> float:
-    """The dearest measured pass of fewer than k + 1 positions (0.0: none): a running maximum over
-    the table, found by bisection (a round's decisions ask for it at every K they price)."""
-    return _peak_below(derived(est, ("peaks",), lambda: _running_peaks(est.verify_s)), k)
+    def line_at_load(self, k: int) -> float:
+        """A pass never timed (beyond the table: B sessions' drafts), priced as `at_load` prices a
+        calibrated one: the calibration's own line at k times the load the learnt passes of fewer
+        positions show (0.0: no calibration). The line through the table alone mixes learnt passes with
+        the quiet host's, so past the table it grows at the quiet rate while the pass it is weighed
+        against is priced at the load."""
+        if not self.calibrated:
+            return 0.0
+        slope, intercept = self.calibrated_fit
+        return (intercept + slope * k) * _peak_below(self.load_peaks, k)
 
 
 def _running_peaks(pairs: Iterable[tuple[int, float]]) -> tuple[list[int], list[float]]:
