@@ -35,9 +35,11 @@ from specd.contracts import (
 )
 from specd import model_free
 from specd.model_free import NO_DRAFT, Draft, SuffixDrafter
+from specd.load import LoadSeen
 from specd.outage import DraftOutage
 from specd.priority import Priority, RoundGate
-from specd.policy import PLAIN, PolicyConfig, PolicyState, RoundObservation, hybrid, inherit, next_k, observe, sure_k
+from specd.policy import (PLAIN, PolicyConfig, PolicyState, RoundObservation, hybrid, inherit, joined_at_load, next_k,
+                          observe, sure_k)
 from specd.policy.cost import batch_sessions
 from specd.protocols import Decoder, Drafter, PlainSteps, SessionStore, Verifier
 from specd.session import Lease, ServiceCursor, SessionState, SessionStats, Turn
@@ -103,6 +105,7 @@ class Services:
     gate: RoundGate = field(default_factory=RoundGate)  # short requests' rounds first (off by default)
     decoder: Decoder | None = None  # plain stretches as one stream of steps (None: a Step RPC a token)
     clock: Callable[[], float] = time.perf_counter  # what times the calls (a replay's is virtual)
+    load: LoadSeen = field(default_factory=LoadSeen)  # the target's latest pass: the batch a turn starts in
 
 
 @dataclass
@@ -219,6 +222,9 @@ async def _start_turn(request: GenerationRequest, session_id: str, services: Ser
     and what a retried turn had already generated. `stream`: plain stretches may run as a stream."""
     lease, state = await services.store.begin(session_id, create=True, owner=owner)
     state, stored, replayed = await _open_turn(state, request, request_id, services.store)
+    if request.fixed_k is None:
+        load = services.load.now(services.clock())
+        state = replace(state, policy=joined_at_load(state.policy, load, request.policy))
     turn = _Turn(request, session_id, services, lease, StopChecker(request.rules, decode), state.stats, priority,
                  state.owner, _Stretch(allowed=stream))
     return turn, _Progress(state, stored, SessionStats()), replayed
@@ -313,6 +319,7 @@ async def _run_round(turn: _Turn, progress: _Progress) -> RoundResult:
                 VerifyRequest(turn.session_id, s, proposal, request.params)
             ))
         verdict, a = verifying.reply.verdict, verifying.reply.verdict.num_accepted
+        services.load.saw(max(verifying.reply.batch_size, verifying.reply.active_sessions), services.clock())
         # 3. commit what the stop rules let through
         emitted, text = _apply_stop_rules(turn.checker, verdict.committed(proposal.tokens))
         n, committed = len(state.tokens), state.tokens + emitted

@@ -16,7 +16,8 @@ from specd.policy import Estimates, PolicyConfig, PolicyState
 from specd.session import Fenced
 from specd.stopping import StopRules
 from specd.validation import InvalidParams
-from tests.fakes import FakeDrafter, FakeStore, FakeVerifier, VirtualClock, draft_rule, target_alone, target_rule
+from tests.fakes import (FakeDecoder, FakeDrafter, FakeStore, FakeVerifier, VirtualClock, draft_rule, target_alone,
+                         target_rule)
 
 PROMPT = (3, 1, 4, 1, 5)
 
@@ -320,6 +321,39 @@ def test_a_round_is_priced_by_the_batch_it_joins(sessions):
     assert list(done.token_ids) == target_alone(PROMPT, 80)
     assert (drafter.calls < 5) == (sessions > 1), drafter.calls
     assert round(done.session.policy.estimates.batch) == sessions
+
+
+@pytest.mark.parametrize("idle_s", [0.0, 10.0])
+def test_a_turn_that_starts_under_load_streams_plain_steps_from_its_prompt(idle_s):
+    """A new session that starts a moment after a pass of sixteen sessions, where not even a draft
+    that is always right could pay, decodes plainly from its first round: one stream, the draft never
+    called. One that starts after the passes went quiet speculates from the prior as a session alone.
+    Each is a key of its own: the busy session's verdict is not the new one's prior."""
+    clock = VirtualClock()
+    verifier = BatchVerifier(16)
+    verifier.clock = clock
+    drafter, decoder = FakeDrafter(target_rule, clock=clock), FakeDecoder(verifier)
+    start = PolicyState(estimates=Estimates(draft_step_s=0.014, rtt_s=0.001,
+                                            verify_s=tuple((k, 0.043 + 0.013 * k) for k in range(17))))
+    services = Services(drafter, verifier, FakeStore(learned=start), decoder=decoder, clock=clock)
+    records: list[RoundRecord] = []
+
+    async def turn(session: str, on_round=None) -> Finished:
+        req = GenerationRequest(PROMPT, StopRules(30), SamplingParams())
+        return [e async for e in generate(req, session, services, decode, on_round=on_round, owner=session)][-1]
+
+    asyncio.run(turn("busy"))
+    clock.now += idle_s
+    drafts_before, streams_before = drafter.calls, decoder.opened
+    done = asyncio.run(turn("new", records.append))
+    assert list(done.token_ids) == target_alone(PROMPT, 30)
+    under_load = idle_s == 0.0
+    assert (records[0].mode == "plain") == under_load
+    if under_load:
+        assert drafter.calls == drafts_before and decoder.opened == streams_before + 1
+        assert all(r.drafter == "none" and r.observation.streamed for r in records[1:])
+    else:
+        assert records[0].mode == "speculative" and not records[0].observation.streamed
 
 
 def test_an_adaptive_turns_first_round_is_the_targets_prefill_alone():

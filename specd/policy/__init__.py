@@ -24,11 +24,11 @@ from specd.policy.cost import (
     verify_time,
 )
 from specd.policy.learning import PRIOR_DRAFTS, calibrated, calibration_ks, learn
-from specd.policy.modes import SESSION_PROBE_AFTER, inherit, next_k, observe
+from specd.policy.modes import SESSION_PROBE_AFTER, inherit, joined_at_load, next_k, observe
 
 __all__ = [
     "CALIBRATION_ROUNDS", "MIN_JUDGED", "PLAIN", "PRIOR_DRAFTS", "SESSION_PROBE_AFTER", "SPECULATIVE",
     "TIMING_EVIDENCE", "Estimates", "PolicyConfig", "PolicyState", "RoundObservation", "best_k", "calibrated",
-    "calibration_ks", "expected_tokens", "explore_k", "inherit", "is_measured", "learn", "next_k", "observe",
-    "predicted_speedup", "round_time", "should_fall_back", "sure_k", "verify_time",
+    "calibration_ks", "expected_tokens", "explore_k", "inherit", "is_measured", "joined_at_load", "learn", "next_k",
+    "observe", "predicted_speedup", "round_time", "should_fall_back", "sure_k", "verify_time",
 ]

@@ -9,8 +9,8 @@ from dataclasses import replace
 
 from specd.policy.base import (CALIBRATION_ROUNDS, PLAIN, PROBE_SHARE, SPECULATIVE, Estimates, PolicyConfig, PolicyState,
                                RoundObservation)
-from specd.policy.cost import (batch_sessions, best_k, best_speedup_at, derived, explore_k, is_measured, plain_time,
-                               should_fall_back, verify_time)
+from specd.policy.cost import (batch_sessions, best_k, best_speedup_at, could_pay, derived, explore_k, is_measured,
+                               plain_time, should_fall_back, verify_time)
 from specd.policy.learning import PRIOR_DRAFTS, alpha_after, learn
 
 SESSION_PROBE_AFTER = 1  # plain rounds (the prompt's prefill) before a new plain-mode session probes
@@ -38,6 +38,22 @@ def inherit(prior: PolicyState) -> PolicyState:
         plain_rounds_until_probe=SESSION_PROBE_AFTER if prior.mode == PLAIN else 0,
         probe_interval=prior.probe_interval,
     )
+
+
+def joined_at_load(state: PolicyState, sessions: int, config: PolicyConfig) -> PolicyState:
+    """A turn that starts while `sessions` share the target's passes (what a pass reported a moment
+    ago): its rounds are priced at that batch from the first, and where not even a draft that is
+    always right could pay there (`could_pay`: the fallback's ceiling) it starts in plain mode, its
+    steps one stream from the prompt on, where it would otherwise learn the load over TIMING_EVIDENCE
+    rounds of Step calls, each waiting for a pass behind the streams (a new key's session starts from
+    start-up calibration, priced alone). Its probes follow the deployment's schedule."""
+    if sessions <= 1:
+        return state
+    est = replace(state.estimates, batch=max(state.estimates.batch, float(sessions)))
+    state = replace(state, estimates=est)
+    if state.mode == PLAIN or not is_measured(est) or could_pay(est, config, config.on_above):
+        return state
+    return replace(state, mode=PLAIN, plain_rounds_until_probe=state.probe_interval, mode_rounds=0)
 
 
 def next_k(state: PolicyState, config: PolicyConfig) -> int:
