@@ -173,7 +173,7 @@ async def generate(
     A new session records its `owner` and starts from the policy the deployment learned last.
     `request_id`: a retry of the session's latest turn with this id does not append its prompt
     again: it replies with what that turn committed and, if it had not finished, goes on with it."""
-    with services.gate.request() as priority:
+    with services.gate.request() as priority, services.load.turn():
         turn, progress, replayed = await _start_turn(request, session_id, services, decode, priority, owner,
                                                      request_id)
         try:

@@ -356,6 +356,30 @@ def test_a_turn_that_starts_under_load_streams_plain_steps_from_its_prompt(idle_
         assert records[0].mode == "speculative" and not records[0].observation.streamed
 
 
+def test_a_burst_of_turns_prices_its_first_rounds_by_the_turns_in_flight():
+    """Sixteen new sessions at once, before any pass: each turn counts those already in flight here.
+    The first, alone, speculates from the prior; once sixteen are in flight, where not even a draft
+    always right could pay, a turn starts plain. Every output is the target's."""
+    verifier = BatchVerifier(16)
+    start = PolicyState(estimates=Estimates(draft_step_s=0.014, rtt_s=0.001,
+                                            verify_s=tuple((k, 0.043 + 0.013 * k) for k in range(17))))
+    services = Services(FakeDrafter(target_rule), verifier, FakeStore(learned=start), decoder=FakeDecoder(verifier))
+    firsts: dict[str, RoundRecord] = {}
+
+    async def turn(session: str) -> Finished:
+        req = GenerationRequest(PROMPT, StopRules(20), SamplingParams())
+        return [e async for e in generate(req, session, services, decode, owner=session,
+                                          on_round=lambda r: firsts.setdefault(session, r))][-1]
+
+    async def burst() -> list[Finished]:
+        return await asyncio.gather(*(turn(f"s{i}") for i in range(16)))
+
+    done = asyncio.run(burst())
+    assert all(list(d.token_ids) == target_alone(PROMPT, 20) for d in done)
+    assert firsts["s0"].mode == "speculative" and firsts["s15"].mode == "plain"
+    assert services.load.turns == 0
+
+
 def test_an_adaptive_turns_first_round_is_the_targets_prefill_alone():
     """The draft model waits a round (its prefill would stand before the first token); a pinned K and
     `drafter: model` draft from the first round."""
