@@ -454,9 +454,10 @@ def _choose_k(request: GenerationRequest, policy: PolicyState) -> int:
 
 def _free_draft(turn: _Turn, state: SessionState, cap: int) -> Draft:
     """The model-free drafter's continuation of the committed tokens (nothing when it is off, not
-    asked for, or the round has no room)."""
-    drafter = turn.services.model_free
-    if drafter is None or turn.request.drafter not in (hybrid.AUTO, hybrid.FREE) or cap <= 0:
+    asked for, the request decodes plainly, or the round has no room). A session's index catches up
+    on the tokens it skipped at its next draft."""
+    drafter, request = turn.services.model_free, turn.request
+    if drafter is None or request.drafter not in (hybrid.AUTO, hybrid.FREE) or request.fixed_k == 0 or cap <= 0:
         return NO_DRAFT
     return drafter.propose(turn.session_id, turn.owner, state.tokens, cap)
 

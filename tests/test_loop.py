@@ -11,6 +11,7 @@ import pytest
 
 from specd.contracts import SamplingParams, VerifyReply
 from specd.loop import Chunk, Finished, GenerationRequest, RoundRecord, Services, generate
+from specd.model_free import SuffixDrafter
 from specd.outage import DraftOutage
 from specd.policy import Estimates, PolicyConfig, PolicyState
 from specd.session import Fenced
@@ -400,6 +401,29 @@ def test_speculation_off_never_calls_the_draft():
     done = run(request(max_tokens=12, k=0), drafter, verifier)[-1]
     assert drafter.calls == 0 and verifier.calls == 12
     assert list(done.token_ids) == target_alone(PROMPT, 12)
+
+
+def test_speculation_off_never_asks_the_model_free_drafter():
+    """A request that decodes plainly has no use for a model-free draft: no lookup a round. The
+    session's next adaptive turn drafts from every token it committed, its index caught up."""
+    class Counted(SuffixDrafter):
+        proposals = 0
+
+        def propose(self, *args):
+            Counted.proposals += 1
+            return super().propose(*args)
+
+    repeating = lambda prefix: (3, 1, 4, 1, 5, 9)[len(prefix) % 6]  # noqa: E731
+    model_free = Counted()
+    services = Services(None, FakeVerifier(repeating), FakeStore(), model_free=model_free)
+
+    async def turn(req: GenerationRequest) -> Finished:
+        return [e async for e in generate(req, "s", services, decode, ephemeral=False)][-1]
+
+    plain = asyncio.run(turn(request(max_tokens=24, k=0)))
+    assert Counted.proposals == 0 and plain.stats.rounds == 24
+    adaptive = asyncio.run(turn(GenerationRequest((3,), StopRules(24), SamplingParams(), drafter="ngram")))
+    assert Counted.proposals > 0 and adaptive.stats.model_free_accepted > 0
 
 
 def test_a_useless_draft_is_dropped_and_only_probed_afterwards():
