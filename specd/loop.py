@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import AsyncIterator, Awaitable, Callable, Sequence, TypeVar
 
 from opentelemetry import trace
@@ -35,6 +35,7 @@ from specd.contracts import (
 )
 from specd import model_free
 from specd.model_free import NO_DRAFT, Draft, SuffixDrafter
+from specd.evolve import evolve
 from specd.load import LoadSeen
 from specd.outage import DraftOutage
 from specd.priority import Priority, RoundGate
@@ -224,7 +225,7 @@ async def _start_turn(request: GenerationRequest, session_id: str, services: Ser
     state, stored, replayed = await _open_turn(state, request, request_id, services.store)
     if request.fixed_k is None:
         load = services.load.now(services.clock())
-        state = replace(state, policy=joined_at_load(state.policy, load, request.policy))
+        state = evolve(state, policy=joined_at_load(state.policy, load, request.policy))
     turn = _Turn(request, session_id, services, lease, StopChecker(request.rules, decode), state.stats, priority,
                  state.owner, _Stretch(allowed=stream))
     return turn, _Progress(state, stored, SessionStats()), replayed
@@ -273,8 +274,8 @@ async def _save(turn: _Turn, result: RoundResult) -> float:
 def _with_stats(result: RoundResult, stats: SessionStats) -> RoundResult:
     """The round with timings added to the request's and the session's counters."""
     progress = result.progress
-    state = replace(progress.state, stats=progress.state.stats + stats)
-    return replace(result, progress=replace(progress, state=state, stats=progress.stats + stats))
+    state = evolve(progress.state, stats=progress.state.stats + stats)
+    return evolve(result, progress=evolve(progress, state=state, stats=progress.stats + stats))
 
 
 async def run_round(turn: _Turn, progress: _Progress) -> RoundResult:
@@ -327,7 +328,7 @@ async def _run_round(turn: _Turn, progress: _Progress) -> RoundResult:
         draft = ServiceCursor(min(n + a, len(committed)), drafting.reply.instance_id) if drafting else state.draft
         target = ServiceCursor(min(verifying.reply.position, len(committed)), verifying.reply.instance_id)
         # 5. learn: acceptance and timings feed the K / fallback policy
-        observation = replace(_observation(k, a, drafting, verifying, streamed=streamed is not None),
+        observation = evolve(_observation(k, a, drafting, verifying, streamed=streamed is not None),
                               free_offered=offered, sure=sure)
         policy = state.policy
         if source == hybrid.FREE:
@@ -340,7 +341,7 @@ async def _run_round(turn: _Turn, progress: _Progress) -> RoundResult:
             outage_rounds=int(outage), model_free=source == hybrid.FREE,
         ) + _call_times(drafting, verifying)
         span.set_attributes(_round_attributes(progress.stats.rounds, observation, len(committed), policy.mode, source))
-        state = replace(state, tokens=committed, draft=draft, target=target, policy=policy,
+        state = evolve(state, tokens=committed, draft=draft, target=target, policy=policy,
                         stats=turn.session_stats + stats)
     # 6. persist, then emit: the caller's (_saved_rounds)
     record = RoundRecord(k, a, len(committed), drafting and drafting.reply.position, verifying.reply.position,
@@ -362,7 +363,7 @@ async def _open_turn(
     tokens = (*state.tokens, *_session_start(state, request))
     _check_context(len(tokens), request)
     turn = Turn(request_id, len(tokens), request_digest(request)) if request_id else None
-    return replace(state, tokens=(*tokens, *request.prompt), requests=state.requests + 1, turn=turn), stored, ()
+    return evolve(state, tokens=(*tokens, *request.prompt), requests=state.requests + 1, turn=turn), stored, ()
 
 
 def _session_start(state: SessionState, request: GenerationRequest) -> tuple[int, ...]:
@@ -425,7 +426,7 @@ def _teaches_the_prior(request: GenerationRequest) -> bool:
 
 async def _start_from_prior(state: SessionState, store: SessionStore) -> SessionState:
     prior = await store.prior(state.owner)
-    return replace(state, policy=inherit(prior) if prior else state.policy)
+    return evolve(state, policy=inherit(prior) if prior else state.policy)
 
 
 def _round_attributes(index: int, seen: RoundObservation, committed: int, mode: str,
@@ -607,7 +608,7 @@ async def _open_stretch(turn: _Turn, state: SessionState, steps: int) -> _Called
     called = await _call(turn.services.clock, state.target, state.tokens, lambda s: decoder.decode(
         DecodeRequest(VerifyRequest(turn.session_id, s, EMPTY_PROPOSAL, request.params), steps)))
     turn.stretch.steps, turn.stretch.last = called.reply, turn.services.clock()
-    return replace(called, reply=called.reply.first)
+    return evolve(called, reply=called.reply.first)
 
 
 async def _streamed_step(stretch: _Stretch, clock: Callable[[], float], plain: bool) -> _Called | None:

@@ -94,6 +94,8 @@ class SessionStats:
 
 
 def _add_counts(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
+    if not b or not a:  # a round's timings alone, added several times a round
+        return a or b
     longer, shorter = (a, b) if len(a) >= len(b) else (b, a)
     return tuple(x + (shorter[i] if i < len(shorter) else 0) for i, x in enumerate(longer))
 

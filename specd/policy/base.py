@@ -119,7 +119,7 @@ class Estimates:
     def derived(self) -> dict:
         """What the cost model derived from these estimates (specd/policy/cost.py): a round's decisions
         ask for the same pass times and best K many times over. Not a field: not saved, not compared, and
-        a new estimate (dataclasses.replace) starts with nothing derived."""
+        a new estimate (`specd.evolve`) starts with nothing derived."""
         return {}
 
     @property

@@ -263,8 +263,17 @@ def _candidates(config: PolicyConfig) -> range | tuple[int]:
 
 
 def best_speedup_at(est: Estimates, config: PolicyConfig, alpha: float) -> float:
-    """best_k's S(K) were α `alpha`, at these timings. Needs `is_measured(est)`."""
-    return max(predicted_speedup(est, config, k, alpha) for k in _candidates(config))
+    """best_k's S(K) were α `alpha`, at these timings. Needs `is_measured(est)`. S(K) as
+    `predicted_speedup` computes it, over T(0) and T(K) read once per estimates (a probe's check
+    weighs every K at several α)."""
+    rounds = derived(est, ("rounds", config), lambda: _round_times(est, config))
+    return max(expected_tokens(alpha, k) * plain / round_s for k, plain, round_s in rounds)
+
+
+def _round_times(est: Estimates, config: PolicyConfig) -> tuple[tuple[int, float, float], ...]:
+    """(K, T(0), T(K)) for every candidate K."""
+    predicted_speedup(est, config, 1)  # its check that the timings are measured
+    return tuple((k, plain_time(est), round_time(est, config, k)) for k in _candidates(config))
 
 
 def could_pay(est: Estimates, config: PolicyConfig, bar: float, ks: range | None = None,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import replace
+from specd.evolve import evolve
 
 from specd.policy.base import (PLAIN, PROBE_SHARE, PROBE_START, Estimates, PolicyConfig, PolicyState, RoundObservation,
                                decayed)
@@ -171,13 +171,13 @@ def learn_free(est: Estimates, obs: RoundObservation, scores: Sequence[float], c
     expected = decayed(est.free_expected, sum(scores[: obs.k]), config.alpha_window)
     est = learn_offer(learn_pass(est, obs, config.smoothing, obs.target_cold), obs, config.alpha_window)
     est = learn_text(est, obs, config.alpha_window)
-    return replace(est, free_accepted=accepted, free_expected=expected)
+    return evolve(est, free_accepted=accepted, free_expected=expected)
 
 
 def observe_free(state: PolicyState, obs: RoundObservation, scores: Sequence[float], config: PolicyConfig) -> PolicyState:
     """After a model-free round: its lessons (`learn_free`); plain mode's wait for a probe of the
     draft model goes on, and that model's next draft is cold (it has the round's tokens to catch up on)."""
     plain = state.mode == PLAIN
-    state = replace(state, estimates=learn_free(state.estimates, obs, scores, config), drafted_last_round=False)
+    state = evolve(state, estimates=learn_free(state.estimates, obs, scores, config), drafted_last_round=False)
     countdown = counted_down(state, config) if plain else state.plain_rounds_until_probe
-    return replace(state, plain_rounds_until_probe=countdown, probe_credit=state.probe_credit + PROBE_SHARE * plain)
+    return evolve(state, plain_rounds_until_probe=countdown, probe_credit=state.probe_credit + PROBE_SHARE * plain)

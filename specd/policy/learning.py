@@ -4,7 +4,7 @@ prior a deployment's start-up calibration measures. Rationale: docs/policy.md.""
 from __future__ import annotations
 
 import math
-from dataclasses import replace
+from specd.evolve import evolve
 from typing import Sequence
 
 from specd.policy.base import CONFIDENCE_WEIGHT, Estimates, PolicyConfig, PolicyState, RoundObservation, decayed
@@ -51,7 +51,7 @@ def learn(
     est = learn_calibration(learn_offer(learn_pass(est, obs, w, target_cold), obs, config.alpha_window), obs, judged,
                             config.alpha_window)
     est = learn_sure(est, obs, config.alpha_window)
-    return replace(est, alpha=alpha, draft_step_s=draft_step, draft_batched=batched, catch_up_s=catch_up, rtt_s=rtt,
+    return evolve(est, alpha=alpha, draft_step_s=draft_step, draft_batched=batched, catch_up_s=catch_up, rtt_s=rtt,
                    stream_s=stream,
                    plain_call_s=call, plain_streamed_s=streamed,
                    observations=est.observations + 1, accepted_count=accepted_count, tested_count=tested_count,
@@ -77,7 +77,7 @@ def learn_pass(est: Estimates, obs: RoundObservation, w: float, target_cold: boo
     # own beside seven streaming sessions stalls all seven.
     sessions = float(max(obs.batch_size, obs.active_sessions))
     batch = sessions if est.observations == 0 else max(sessions, _ewma(est.batch, sessions, w))
-    return replace(est, verify_s=verify_s, batch=batch, pace=pace)
+    return evolve(est, verify_s=verify_s, batch=batch, pace=pace)
 
 
 def _paced(est: Estimates, pace: float | None, k: int, seconds: float, w: float) -> float | None:
@@ -94,15 +94,15 @@ def learn_offer(est: Estimates, obs: RoundObservation, window: int) -> Estimates
     if obs.free_offered is None:
         return est
     committed = obs.accepted + 1
-    return replace(est, free_offer_tokens=decayed(est.free_offer_tokens, obs.free_offered * committed, window),
+    return evolve(est, free_offer_tokens=decayed(est.free_offer_tokens, obs.free_offered * committed, window),
                    offered_tokens=decayed(est.offered_tokens, committed, window))
 
 
 def learn_text(est: Estimates, obs: RoundObservation, window: int) -> Estimates:
     """What a round that judged none of the draft model's drafts (a model-free draft's) says of α: its
     evidence ages a round, and the target's confidence speaks (`confidence_hint`)."""
-    accepted_count, tested_count, _ = _acceptance(est, replace(obs, k=0, accepted=0), window)
-    return replace(est, accepted_count=accepted_count, tested_count=tested_count, alpha=accepted_count / tested_count)
+    accepted_count, tested_count, _ = _acceptance(est, evolve(obs, k=0, accepted=0), window)
+    return evolve(est, accepted_count=accepted_count, tested_count=tested_count, alpha=accepted_count / tested_count)
 
 
 def _acceptance(est: Estimates, obs: RoundObservation, window: int) -> tuple[float, float, int]:
@@ -129,7 +129,7 @@ def learn_calibration(est: Estimates, obs: RoundObservation, judged: int, window
     models, so sessions inherit it)."""
     if judged == 0 or len(obs.confidence) < judged:
         return est
-    return replace(est, confidence_accepted=decayed(est.confidence_accepted, obs.accepted, window),
+    return evolve(est, confidence_accepted=decayed(est.confidence_accepted, obs.accepted, window),
                    confidence_expected=decayed(est.confidence_expected, sum(obs.confidence[:judged]), window))
 
 
@@ -140,7 +140,7 @@ def learn_sure(est: Estimates, obs: RoundObservation, window: int) -> Estimates:
     if obs.sure == 0:
         return est
     judged, accepted = min(obs.accepted + 1, obs.sure), min(obs.accepted, obs.sure)
-    return replace(est, sure_accepted=decayed(est.sure_accepted, accepted, window),
+    return evolve(est, sure_accepted=decayed(est.sure_accepted, accepted, window),
                    sure_tested=decayed(est.sure_tested, judged, window))
 
 

@@ -5,7 +5,7 @@ Rationale: docs/policy.md."""
 from __future__ import annotations
 
 import math
-from dataclasses import replace
+from specd.evolve import evolve
 
 from specd.policy.base import (CALIBRATION_ROUNDS, PLAIN, PROBE_SHARE, SPECULATIVE, Estimates, PolicyConfig, PolicyState,
                                RoundObservation)
@@ -15,6 +15,9 @@ from specd.policy.learning import PRIOR_DRAFTS, alpha_after, learn
 
 SESSION_PROBE_AFTER = 1  # plain rounds (the prompt's prefill) before a new plain-mode session probes
 PROBE_RECHECK = 4  # plain rounds between checks of a due probe that no outcome could make decisive
+# Under load, as many: there every plain session's every check takes the cores from the target's passes,
+# and a probe is priced as any round, so the check rarely lets one through (benchmarks.loop_cpu).
+LOADED_RECHECK = 16
 
 
 def inherit(prior: PolicyState) -> PolicyState:
@@ -29,7 +32,7 @@ def inherit(prior: PolicyState) -> PolicyState:
     probe the session follows the schedule the deployment had reached."""
     est = prior.estimates
     weight = min(est.tested_count, PRIOR_DRAFTS) or PRIOR_DRAFTS
-    est = replace(est, accepted_count=est.alpha * weight, tested_count=weight, judged=0, free_offer_tokens=0.0,
+    est = evolve(est, accepted_count=est.alpha * weight, tested_count=weight, judged=0, free_offer_tokens=0.0,
                   offered_tokens=0.0)
     return PolicyState(
         mode=prior.mode,
@@ -49,11 +52,11 @@ def joined_at_load(state: PolicyState, sessions: int, config: PolicyConfig) -> P
     start-up calibration, priced alone). Its probes follow the deployment's schedule."""
     if sessions <= 1:
         return state
-    est = replace(state.estimates, batch=max(state.estimates.batch, float(sessions)))
-    state = replace(state, estimates=est)
+    est = evolve(state.estimates, batch=max(state.estimates.batch, float(sessions)))
+    state = evolve(state, estimates=est)
     if state.mode == PLAIN or not is_measured(est) or could_pay(est, config, config.on_above):
         return state
-    return replace(state, mode=PLAIN, plain_rounds_until_probe=state.probe_interval, mode_rounds=0)
+    return evolve(state, mode=PLAIN, plain_rounds_until_probe=state.probe_interval, mode_rounds=0)
 
 
 def next_k(state: PolicyState, config: PolicyConfig) -> int:
@@ -102,12 +105,12 @@ def observe(state: PolicyState, obs: RoundObservation, config: PolicyConfig) -> 
     draft_cold = obs.draft_cold or not state.drafted_last_round
     target_cold = obs.target_cold or state.estimates.observations == 0
     est = learn(state.estimates, obs, config, draft_cold, target_cold)
-    state = replace(state, estimates=est, drafted_last_round=obs.k > 0)
+    state = evolve(state, estimates=est, drafted_last_round=obs.k > 0)
     if state.mode == SPECULATIVE:
         return _after_speculative_round(state, config)
     if obs.k > 0:
-        return _after_probe(replace(state, probe_credit=state.probe_credit - probe_spent(state.estimates, obs)), config)
-    return replace(state, plain_rounds_until_probe=counted_down(state, config), mode_rounds=state.mode_rounds + 1,
+        return _after_probe(evolve(state, probe_credit=state.probe_credit - probe_spent(state.estimates, obs)), config)
+    return evolve(state, plain_rounds_until_probe=counted_down(state, config), mode_rounds=state.mode_rounds + 1,
                    probe_credit=state.probe_credit + PROBE_SHARE)
 
 
@@ -116,11 +119,14 @@ def counted_down(state: PolicyState, config: PolicyConfig) -> int:
     probe is due but none would be decisive (`decisive_probe_k`: the text or the load says no draft
     pays), or where it was due under load and the round went without it (hybrid.choose prices a
     probe there as any round), so that check, a sweep of the cost model, runs every few rounds rather
-    than every one (under load, every plain session's every round: 0.4 ms of a 2-core host's Python a round)."""
-    if state.plain_rounds_until_probe <= 0 and batch_sessions(state.estimates) > 1:
-        return PROBE_RECHECK
+    than every one (under load, every plain session's every round: 0.4 ms of a 2-core host's Python a
+    round); under load every LOADED_RECHECK rounds."""
+    loaded = batch_sessions(state.estimates) > 1
+    recheck = LOADED_RECHECK if loaded else PROBE_RECHECK
+    if state.plain_rounds_until_probe <= 0 and loaded:
+        return recheck
     countdown = max(0, state.plain_rounds_until_probe - 1)
-    return PROBE_RECHECK if countdown == 0 and decisive_probe_k(state.estimates, config) == 0 else countdown
+    return recheck if countdown == 0 and decisive_probe_k(state.estimates, config) == 0 else countdown
 
 
 def probe_spent(est: Estimates, obs: RoundObservation) -> float:
@@ -135,7 +141,7 @@ def probe_spent(est: Estimates, obs: RoundObservation) -> float:
 def _after_speculative_round(state: PolicyState, config: PolicyConfig) -> PolicyState:
     if should_fall_back(state.estimates, config):
         interval = _interval_after_fallback(state, config)
-        return replace(
+        return evolve(
             state,
             mode=PLAIN,
             fallbacks=state.fallbacks + 1,
@@ -145,15 +151,15 @@ def _after_speculative_round(state: PolicyState, config: PolicyConfig) -> Policy
             probe_credit=min(state.probe_credit, 0.0),  # a verdict on this text: the next probe is earned
         )
     k = explore_k(state.estimates, config, *best_k(state.estimates, config))
-    return replace(state, k=k, mode_rounds=state.mode_rounds + 1)
+    return evolve(state, k=k, mode_rounds=state.mode_rounds + 1)
 
 
 def _after_probe(state: PolicyState, config: PolicyConfig) -> PolicyState:
     k, speedup = best_k(state.estimates, config)
     if math.isnan(speedup) or speedup > config.on_above:
-        return replace(state, mode=SPECULATIVE, k=k, mode_rounds=0)
+        return evolve(state, mode=SPECULATIVE, k=k, mode_rounds=0)
     interval = min(2 * state.probe_interval, config.probe_max)
-    return replace(state, probe_interval=interval, plain_rounds_until_probe=interval, mode_rounds=0)
+    return evolve(state, probe_interval=interval, plain_rounds_until_probe=interval, mode_rounds=0)
 
 
 def _interval_after_fallback(state: PolicyState, config: PolicyConfig) -> int:
